@@ -1,0 +1,16 @@
+.PHONY: setup demo test bench lint
+
+setup:
+	bash scripts/setup.sh
+
+demo:
+	bash scripts/demo.sh
+
+test:
+	bash scripts/test.sh
+
+bench: setup
+	.venv/bin/python -m bench.run_all
+
+lint: setup
+	.venv/bin/ruff check .

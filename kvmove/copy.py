@@ -1,0 +1,261 @@
+"""``copy_rows``, ``gather`` and ``scatter``: rows between two row pools, all layers of all
+buffers (or a layer subset), through the Triton kernel or the torch backend."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kvmove.cache import KVCache
+from kvmove.indices import as_index_tensor, check_range, check_unique, page_rows
+from kvmove.row_pool import BufferRows, RowPool
+from kvmove.staging import StagingBuffer
+from kvmove.torch_backend import copy_rows_torch
+
+BACKENDS = ("auto", "triton", "torch")
+Pool = KVCache | StagingBuffer
+
+
+def _row_pool(value, name: str) -> RowPool:
+    if not isinstance(value, (KVCache, StagingBuffer)):
+        raise TypeError(
+            f"{name} must be a kvmove.KVCache or kvmove.StagingBuffer, got {type(value)}"
+        )
+    return value.row_pool
+
+
+def kernel_device(src: RowPool, dst: RowPool) -> torch.device:
+    """The device that runs the copy: the GPU when either side lives on one."""
+    for pool in (src, dst):
+        for b in pool.buffers.values():
+            if b.device.type != "cpu":
+                return b.device
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def _check_geometry(src: RowPool, dst: RowPool) -> None:
+    s = {n: (layers, rb) for n, layers, rb in src.geometry()}
+    d = {n: (layers, rb) for n, layers, rb in dst.geometry()}
+    if s != d:
+        raise ValueError(
+            f"source and destination differ in geometry (buffer: (layers, row bytes)): "
+            f"{src.kind} {s} vs {dst.kind} {d}"
+        )
+
+
+def select_layers(pool: RowPool, layers) -> dict[str, list[int]]:
+    """For each buffer, the layers to copy: all (``None``), the one layer ``l`` of every buffer
+    that has it (an int), or a subset (a sequence of ints)."""
+    max_layers = max(b.num_layers for b in pool.buffers.values())
+    if layers is None:
+        return {n: list(range(b.num_layers)) for n, b in pool.buffers.items()}
+    if isinstance(layers, bool):
+        raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
+    wanted = [layers] if isinstance(layers, int) else layers
+    if not isinstance(wanted, Sequence) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in wanted
+    ):
+        raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
+    for x in wanted:
+        if not 0 <= x < max_layers:
+            raise IndexError(f"layers: layer {x} is out of range 0..{max_layers - 1}")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"layers names a layer twice: {list(wanted)}")
+    return {n: [x for x in wanted if x < b.num_layers] for n, b in pool.buffers.items()}
+
+
+def _alignment(src: BufferRows, dst: BufferRows, layers: list[int]) -> int:
+    addresses = [src.device_addresses[i] for i in layers]
+    addresses += [dst.device_addresses[i] for i in layers]
+    return math.gcd(*addresses) if addresses else 1
+
+
+def _launch_triton(src, dst, layers, s, d, errors, direction, page_tokens, device):
+    from kvmove.kernels import configs
+    from kvmove.kernels.copy_rows import copy_rows as launch
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    config = configs.pick(direction, src.row_bytes, page_tokens, gpu)
+    launch(
+        src.address_table(tuple(layers), device),
+        dst.address_table(tuple(layers), device),
+        s,
+        d,
+        errors,
+        src_limit=src.num_rows,
+        dst_limit=dst.num_rows,
+        src_pitch=src.pitch,
+        dst_pitch=dst.pitch,
+        row_bytes=src.row_bytes,
+        base_alignment=_alignment(src, dst, layers),
+        config=config,
+    )
+
+
+def _copy(
+    src: Pool,
+    src_rows: torch.Tensor,
+    dst: Pool,
+    dst_rows: torch.Tensor,
+    *,
+    layers,
+    backend: str,
+    check: bool,
+    errors: torch.Tensor | None,
+    page_tokens: int,
+    direction: str,
+) -> torch.Tensor:
+    sp, dp = src.row_pool, dst.row_pool
+    device = kernel_device(sp, dp)
+    backend = resolve_backend(backend, device)
+    chosen = select_layers(sp, layers)
+    if errors is None:
+        errors = torch.zeros(1, dtype=torch.int32, device=device)
+    if check:
+        limit_s = next(iter(sp.buffers.values())).num_rows
+        limit_d = next(iter(dp.buffers.values())).num_rows
+        check_range(src_rows, limit_s, "src_rows")
+        check_range(dst_rows, limit_d, "dst_rows")
+        check_unique(dst_rows, "dst_rows")
+    if src_rows.numel() == 0:
+        return errors
+    if backend == "triton":
+        src_rows = src_rows.to(device, non_blocking=True)
+        dst_rows = dst_rows.to(device, non_blocking=True)
+    counter = errors  # count bad rows in the first buffer's copy only
+    for name, src_buf in sp.buffers.items():
+        if not chosen[name]:
+            continue
+        dst_buf = dp.buffers[name]
+        if backend == "triton":
+            _launch_triton(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter,
+                           direction, page_tokens, device)
+        else:
+            copy_rows_torch(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter)
+        counter = None
+    return errors
+
+
+def copy_rows(
+    src: Pool,
+    src_rows,
+    dst: Pool,
+    dst_rows,
+    *,
+    layers=None,
+    backend: str = "auto",
+    check: bool = True,
+    errors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy row ``src_rows[i]`` to row ``dst_rows[i]`` between two row pools (``KVCache`` or
+    ``StagingBuffer``; staging rows are numbered ``slot * page_tokens + t``), for every layer
+    of every buffer (``layers=None``), layer ``l`` of each buffer that has it (an int), or a
+    subset (a sequence of ints).
+
+    ``src_rows``, ``dst_rows``: int32/int64 ``[n]``; ``-1`` on either side skips the row.
+    With ``check=True`` out-of-range rows, duplicate destinations, length, dtype and geometry
+    mismatches raise before anything is written. With ``check=False`` out-of-range rows are
+    skipped and counted instead. Returns the int32 ``[1]`` error counter (on the copy's
+    device; ``errors`` accumulates into a caller's counter).
+    """
+    sp, dp = _row_pool(src, "src"), _row_pool(dst, "dst")
+    src_rows = as_index_tensor(src_rows, "src_rows", dim=1)
+    dst_rows = as_index_tensor(dst_rows, "dst_rows", dim=1)
+    if src_rows.numel() != dst_rows.numel():
+        raise ValueError(
+            f"src_rows has {src_rows.numel()} rows but dst_rows has {dst_rows.numel()}"
+        )
+    _check_geometry(sp, dp)
+    staging = next((p for p in (src, dst) if isinstance(p, StagingBuffer)), None)
+    page_tokens = staging.page_tokens if staging is not None else 1
+    direction = "gather" if isinstance(dst, StagingBuffer) else "scatter"
+    return _copy(
+        src, src_rows, dst, dst_rows, layers=layers, backend=backend, check=check,
+        errors=errors, page_tokens=page_tokens, direction=direction,
+    )
+
+
+def _page_args(kv, staging, token_pages, slots):
+    if not isinstance(kv, KVCache):
+        raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
+    if not isinstance(staging, StagingBuffer):
+        raise TypeError(f"staging must be a kvmove.StagingBuffer, got {type(staging).__name__}")
+    token_pages = as_index_tensor(token_pages, "token_pages", dim=2)
+    slots = as_index_tensor(slots, "slots", dim=1)
+    n, p = token_pages.shape
+    if token_pages.numel() and p != staging.page_tokens:
+        raise ValueError(
+            f"token_pages has {p} tokens per page but the staging has page_tokens="
+            f"{staging.page_tokens}"
+        )
+    if slots.numel() != n:
+        raise ValueError(f"token_pages has {n} pages but slots has {slots.numel()} entries")
+    _check_geometry(kv.row_pool, staging.row_pool)
+    return token_pages, slots
+
+
+def gather(
+    kv: KVCache,
+    staging: StagingBuffer,
+    token_pages,
+    slots,
+    *,
+    backend: str = "auto",
+    check: bool = True,
+    errors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather KV token rows into layer-first staging pages, all layers of all buffers.
+
+    ``token_pages``: int32/int64 ``[n, page_tokens]`` KV token slots; ``-1`` is padding (that
+    staging row is left as it was). ``slots``: ``[n]`` staging slots (``-1`` skips a page).
+    Returns the int32 ``[1]`` error counter (see :func:`copy_rows`).
+    """
+    token_pages, slots = _page_args(kv, staging, token_pages, slots)
+    if check:
+        check_range(slots, staging.num_slots, "slots")
+        check_unique(slots, "slots")
+        check_range(token_pages, kv.num_slots, "token_pages")
+    return _copy(
+        kv, token_pages.reshape(-1), staging, page_rows(slots, staging.page_tokens),
+        layers=None, backend=backend, check=False, errors=errors,
+        page_tokens=staging.page_tokens, direction="gather",
+    )
+
+
+def scatter(
+    staging: StagingBuffer,
+    slots,
+    kv: KVCache,
+    token_pages,
+    *,
+    layers=None,
+    backend: str = "auto",
+    check: bool = True,
+    errors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scatter staging pages back into KV token rows: all layers (``layers=None``) or layer
+    ``l`` of every buffer that has it (layer-wise prefetch).
+
+    ``slots``: ``[n]`` staging slots; ``token_pages``: int32/int64 ``[n, page_tokens]`` KV
+    token slots, ``-1`` = padding (that KV row is left untouched). Returns the error counter.
+    """
+    token_pages, slots = _page_args(kv, staging, token_pages, slots)
+    if check:
+        check_range(slots, staging.num_slots, "slots")
+        check_range(token_pages, kv.num_slots, "token_pages")
+        check_unique(token_pages, "token_pages")
+    return _copy(
+        staging, page_rows(slots, staging.page_tokens), kv, token_pages.reshape(-1),
+        layers=layers, backend=backend, check=False, errors=errors,
+        page_tokens=staging.page_tokens, direction="scatter",
+    )

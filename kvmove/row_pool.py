@@ -1,0 +1,72 @@
+"""The one abstraction both sides of every copy share: a row pool.
+
+For each named buffer and each layer, a byte view ``[num_rows, row_bytes]``
+(row ``r`` of layer ``l`` starts at ``base[l] + r * pitch``). A KV cache is a
+row pool whose rows are token slots; a layer-first staging buffer is a row
+pool whose rows are ``slot * page_tokens + t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class BufferRows:
+    """The rows of one buffer: one uint8 view ``[num_rows, row_bytes]`` per layer."""
+
+    name: str
+    layers: tuple[torch.Tensor, ...]  # uint8 [num_rows, row_bytes], stride (pitch, 1)
+    row_bytes: int
+    pitch: int  # bytes from one row to the next, the same in every layer
+    num_rows: int
+    device: torch.device
+    dtype: torch.dtype  # the element type the engine sees (uint8 for staging)
+    row_shape: tuple[int, ...]  # the engine's shape of one row
+    # Addresses the device uses for each layer's base (UVA addresses of pinned host memory).
+    device_addresses: tuple[int, ...]
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def address_table(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """int64 tensor of the device addresses of ``layers``, on ``device`` (cached)."""
+        key = (layers, str(device))
+        table = self._tables.get(key)
+        if table is None:
+            table = torch.tensor(
+                [self.device_addresses[layer] for layer in layers], dtype=torch.int64
+            ).to(device)
+            self._tables[key] = table
+        return table
+
+
+class RowPool:
+    """A mapping from buffer name to :class:`BufferRows`, in declaration order."""
+
+    def __init__(self, buffers: list[BufferRows], *, kind: str):
+        self.buffers = {b.name: b for b in buffers}
+        self.kind = kind  # "KVCache" or "StagingBuffer", for messages
+
+    @property
+    def buffer_names(self) -> list[str]:
+        return list(self.buffers)
+
+    def geometry(self) -> list[tuple[str, int, int]]:
+        """(name, layers, row_bytes) per buffer: what two pools must share to copy rows."""
+        return [(b.name, b.num_layers, b.row_bytes) for b in self.buffers.values()]
+
+
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 ``[num_rows, row_bytes]`` view of a ``[num_rows, *row_shape]`` tensor whose
+    rows are contiguous inside (the row pitch may be larger than the row)."""
+    rows = t.reshape(t.shape[0], -1) if t.dim() != 2 else t
+    if rows.data_ptr() != t.data_ptr() or (rows.shape[1] > 1 and rows.stride(1) != 1):
+        raise ValueError("rows must be contiguous inside")
+    if rows.shape[1] == 0:
+        raise ValueError("rows must not be empty")
+    return rows.view(torch.uint8)

@@ -1,0 +1,135 @@
+"""``StagingBuffer``: layer-first host staging, ``[L, num_slots, page_tokens * row_bytes]``
+per buffer of a :class:`~kvmove.KVCache`, with a thread-safe slot allocator."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmove.cache import KVCache
+from kvmove.host_memory import HostMemory
+from kvmove.row_pool import BufferRows, RowPool
+from kvmove.slot_allocator import SlotAllocator
+
+
+class StagingBuffer:
+    """Layer-first staging for the pages of ``kv``.
+
+    Per buffer one uint8 tensor ``[L, num_slots, page_tokens * row_bytes]``: slot ``s`` of
+    layer ``l`` holds one page (``page_tokens`` token rows) of that layer. Pinned and
+    device-accessible when ``kv`` lives on CUDA, page-aligned host memory otherwise. As a row
+    pool, row ``slot * page_tokens + t`` is token ``t`` of slot ``slot``.
+    """
+
+    def __init__(self, kv: KVCache, num_slots: int = 1024, page_tokens: int = 64):
+        if not isinstance(kv, KVCache):
+            raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
+        for name, value in (("num_slots", num_slots), ("page_tokens", page_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.kv = kv
+        self.num_slots = num_slots
+        self.page_tokens = page_tokens
+        pin = kv.device.type == "cuda"
+        self._memory: dict[str, HostMemory] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        rows = []
+        for name in kv.buffer_names:
+            layers, row_bytes = kv.num_layers(name), kv.row_bytes(name)
+            page_bytes = page_tokens * row_bytes
+            memory = HostMemory(layers * num_slots * page_bytes, pin=pin)
+            tensor = memory.tensor.view(layers, num_slots, page_bytes)
+            self._memory[name] = memory
+            self._tensors[name] = tensor
+            layer_bytes = num_slots * page_bytes
+            rows.append(
+                BufferRows(
+                    name=name,
+                    layers=tuple(tensor[i].view(num_slots * page_tokens, row_bytes)
+                                 for i in range(layers)),
+                    row_bytes=row_bytes,
+                    pitch=row_bytes,
+                    num_rows=num_slots * page_tokens,
+                    device=torch.device("cpu"),
+                    dtype=torch.uint8,
+                    row_shape=(row_bytes,),
+                    device_addresses=tuple(
+                        memory.device_address + i * layer_bytes for i in range(layers)
+                    ),
+                )
+            )
+        self._pool = RowPool(rows, kind="StagingBuffer")
+        self._slots = SlotAllocator(num_slots)
+
+    # -- memory ---------------------------------------------------------------------------
+    def tensor(self, name: str) -> torch.Tensor:
+        """The uint8 ``[L, num_slots, page_tokens * row_bytes]`` staging tensor of ``name``."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"no buffer {name!r}; buffers are {self.buffer_names}") from None
+
+    def regions(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each buffer's staging memory, to register with a store."""
+        return [(m.address, m.nbytes) for m in self._memory.values()]
+
+    @property
+    def pinned(self) -> bool:
+        return all(m.pinned for m in self._memory.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self._memory.values())
+
+    def page_bytes(self, name: str) -> int:
+        return self.page_tokens * self.kv.row_bytes(name)
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one full page's store object: every layer of every buffer."""
+        return sum(self.page_bytes(n) * self.kv.num_layers(n) for n in self.buffer_names)
+
+    # -- geometry (the cache's) -----------------------------------------------------------
+    @property
+    def buffer_names(self) -> list[str]:
+        return self.kv.buffer_names
+
+    def num_layers(self, name: str) -> int:
+        return self.kv.num_layers(name)
+
+    def row_bytes(self, name: str) -> int:
+        return self.kv.row_bytes(name)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_slots * self.page_tokens
+
+    @property
+    def row_pool(self) -> RowPool:
+        return self._pool
+
+    # -- slots ----------------------------------------------------------------------------
+    def alloc(self, n: int, *, timeout: float | None = 0.0) -> torch.Tensor:
+        """``n`` free slot ids (int64). Raises :class:`kvmove.StagingFull` when fewer than
+        ``n`` are free (after waiting up to ``timeout`` seconds; ``None`` waits forever),
+        allocating nothing."""
+        return self._slots.alloc(n, timeout=timeout)
+
+    def free(self, slots) -> None:
+        """Return ``slots`` to the pool; a slot that is not allocated raises ``ValueError``."""
+        self._slots.free(slots)
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def close(self) -> None:
+        """Unpin the staging memory (on CUDA). The tensors stay readable on the host."""
+        for memory in self._memory.values():
+            memory.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"StagingBuffer({self.num_slots} slots x {self.page_tokens} tokens, "
+            f"{self.nbytes / 2**20:.1f} MiB, {'pinned' if self.pinned else 'pageable'}, "
+            f"{self.num_free} free)"
+        )

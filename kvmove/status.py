@@ -1,0 +1,53 @@
+"""Per-key outcome of a store operation, and the mapping from Mooncake's codes."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.Enum):
+    """Outcome of one key of a put, get or remove."""
+
+    OK = "ok"
+    MISS = "miss"  # get / remove: no such key
+    EXISTS = "exists"  # put: key already stored; the stored object is kept
+    NO_SPACE = "no_space"  # put: the store has no room
+    SIZE_MISMATCH = "size_mismatch"  # get: stored object is not the described size
+    FAILED = "failed"  # anything else (transport, RPC, lease, corrupt object, ...)
+
+    @property
+    def ok(self) -> bool:
+        return self is Status.OK
+
+
+# Mooncake error codes (mooncake-transfer-engine 0.3.13, DESIGN.md "Mooncake facts").
+NO_SPACE_CODES = frozenset({-200})
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707
+TRANSFER_FAIL = -800
+CHECKSUM_MISMATCH = -801
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+
+CODE_NAMES = {
+    -200: "NO_AVAILABLE_HANDLE",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
+    LEASE_EXPIRED: "LEASE_EXPIRED",
+    TRANSFER_FAIL: "TRANSFER_FAIL",
+    CHECKSUM_MISMATCH: "CHECKSUM_MISMATCH",
+    RPC_FAIL: "RPC_FAIL",
+    RPC_TIMEOUT: "RPC_TIMEOUT",
+}
+
+
+def code_name(code: int) -> str:
+    """A readable name of a Mooncake result code, for logs."""
+    if code >= 0:
+        return "OK"
+    return CODE_NAMES.get(code, f"ERROR_{code}")

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Set up kvmove in ./.venv: system library, virtualenv, torch without a surprise CUDA
+# download, the Mooncake wheel that fits this machine, and the test tools.
+# Idempotent: a second run with an unchanged pyproject.toml installs nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found: install Python >= 3.10"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || die "Python >= 3.10 is required, $PYTHON is $("$PYTHON" -V 2>&1)"
+
+as_root() { [ "$(id -u)" = 0 ]; }
+apt_install() {
+  as_root || return 1
+  command -v apt-get >/dev/null || return 1
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null 2>&1 \
+    || { DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null 2>&1 \
+         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null 2>&1; }
+}
+
+# Mooncake's wheels link against libibverbs.so.1 (Debian package libibverbs1).
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  say "installing the system library libibverbs1 (needed by Mooncake)"
+  apt_install libibverbs1 || die "libibverbs.so.1 is missing and could not be installed.
+  Install it as root:  apt-get install -y libibverbs1   (Debian/Ubuntu; rdma-core on RHEL)"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  if ! "$PYTHON" -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    pyver=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    apt_install "python${pyver}-venv" || apt_install python3-venv \
+      || die "$PYTHON cannot create a virtualenv: install python3-venv"
+    "$PYTHON" -m venv .venv
+  fi
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+
+# The extra that fits this machine: a CUDA 13 / CUDA 12 driver, or none.
+extra=cpu
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  cuda=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n1)
+  if [ "${cuda:-12}" -ge 13 ]; then extra=cuda13; else extra=cuda12; fi
+fi
+
+stamp=".venv/.kvmove-setup"
+want="$extra $(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+if [ "$extra" = cpu ]; then
+  # A bare 'torch' requirement would pull a multi-GB CUDA build onto a CPU-only machine.
+  say "installing torch (CPU build)"
+  "${PIP[@]}" "torch==2.13.0" || "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu
+else
+  say "installing torch (CUDA build, for a ${extra} driver)"
+  "${PIP[@]}" torch
+fi
+say "installing kvmove[$extra,test] (editable)"
+"${PIP[@]}" -e ".[$extra,test]"
+.venv/bin/python -c 'import mooncake.store' \
+  || die "the Mooncake wheel does not import (see the error above)"
+echo "$want" >"$stamp"
+say "ready: .venv ($extra)"

@@ -1,0 +1,145 @@
+"""KVCache and StagingBuffer: validation, layout, memory, and the thread-safe slot pool."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import pytest
+import torch
+
+import kvmove
+from tests.caches import make_layers
+
+
+def test_cache_describes_buffers():
+    kv = kvmove.KVCache({
+        "kv": make_layers(3, 10, 656, torch.uint8),
+        "indexer": make_layers(2, 10, 132, torch.float32, stacked=True),
+    })
+    assert kv.buffer_names == ["kv", "indexer"]
+    assert (kv.num_layers("kv"), kv.num_layers("indexer")) == (3, 2)
+    assert (kv.row_bytes("kv"), kv.row_bytes("indexer")) == (656, 132)
+    assert kv.num_slots == 10 and kv.device == torch.device("cpu")
+    assert kv.dtype("indexer") == torch.float32
+    with pytest.raises(KeyError, match="nope"):
+        kv.row_bytes("nope")
+
+
+def test_cache_views_the_engines_memory_without_copying():
+    layers = make_layers(2, 6, 132, torch.float32, pitch_pad=5)
+    kv = kvmove.KVCache({"kv": layers})
+    kv.layer("kv", 1)[4] = 7
+    assert torch.equal(layers[1][4].reshape(-1).view(torch.uint8), torch.full((132,), 7,
+                                                                               dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("buffers", "error", "match"),
+    [
+        ({}, ValueError, "at least one"),
+        ([torch.zeros(2, 4)], TypeError, "mapping"),
+        ({"kv": []}, ValueError, "no layers"),
+        ({"kv": "abc"}, TypeError, "sequence"),
+        ({"kv": [torch.zeros(4, 8), 3]}, TypeError, "layer 1"),
+        ({"kv": [torch.zeros(4, 8), torch.zeros(4, 9)]}, ValueError, "layer 1"),
+        ({"kv": [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16)]}, ValueError, "dtype"),
+        ({"kv": [torch.zeros(4, 8)], "v": [torch.zeros(5, 8)]}, ValueError, "num_slots"),
+        ({"kv": [torch.zeros(8, 4).t()]}, ValueError, "contiguous"),
+        ({"kv": torch.zeros(4)}, ValueError, "stacked"),
+        ({"": [torch.zeros(4, 8)]}, ValueError, "names"),
+        ({"kv": [torch.zeros(0, 8)]}, ValueError, "num_slots > 0"),
+    ],
+)
+def test_cache_rejects_bad_descriptions(buffers, error, match):
+    with pytest.raises(error, match=match):
+        kvmove.KVCache(buffers)
+
+
+def test_staging_is_layer_first_and_page_aligned():
+    kv = kvmove.KVCache({"k": make_layers(3, 8, 132, torch.uint8),
+                         "v": make_layers(1, 8, 4100, torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=5, page_tokens=7)
+    assert staging.tensor("k").shape == (3, 5, 7 * 132)
+    assert staging.tensor("v").shape == (1, 5, 7 * 4100)
+    assert staging.tensor("k").dtype == torch.uint8
+    regions = staging.regions()
+    assert regions == [(staging.tensor(n).data_ptr(), staging.tensor(n).numel())
+                       for n in ("k", "v")]
+    assert all(addr % mmap.PAGESIZE == 0 for addr, _ in regions)
+    assert staging.object_bytes == 3 * 7 * 132 + 7 * 4100
+    assert not staging.pinned  # no CUDA here
+
+
+@pytest.mark.parametrize("kwargs", [{"num_slots": 0}, {"page_tokens": 0},
+                                    {"num_slots": 2.5}, {"page_tokens": True}])
+def test_staging_rejects_bad_sizes(kwargs):
+    kv = kvmove.KVCache({"kv": make_layers(1, 4, 4, torch.uint8)})
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        kvmove.StagingBuffer(kv, **kwargs)
+
+
+def test_alloc_and_free():
+    kv = kvmove.KVCache({"kv": make_layers(1, 4, 4, torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=1)
+    a = staging.alloc(3)
+    assert a.dtype == torch.int64 and a.tolist() == [0, 1, 2]
+    with pytest.raises(kvmove.StagingFull):
+        staging.alloc(2)
+    assert staging.num_free == 1  # the failed alloc took nothing
+    staging.free(a[1:2])
+    assert staging.alloc(2).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="twice"):
+        staging.free(torch.tensor([0, 0]))
+    staging.free(torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="not allocated"):
+        staging.free([2])
+    with pytest.raises(ValueError, match="out of range"):
+        staging.free([4])
+    assert staging.num_free == 4
+    assert isinstance(kvmove.StagingFull("x"), kvmove.KVMoveError)
+
+
+def test_free_of_a_partly_allocated_set_frees_nothing():
+    kv = kvmove.KVCache({"kv": make_layers(1, 4, 4, torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=1)
+    staging.alloc(2)
+    with pytest.raises(ValueError):
+        staging.free([1, 2])
+    assert staging.num_free == 2
+
+
+def test_alloc_waits_for_slots_when_asked():
+    kv = kvmove.KVCache({"kv": make_layers(1, 4, 4, torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=1)
+    held = staging.alloc(2)
+    threading.Timer(0.2, staging.free, args=(held,)).start()
+    assert staging.alloc(2, timeout=5).tolist() == [0, 1]
+    with pytest.raises(kvmove.StagingFull):
+        staging.alloc(1, timeout=0.05)
+
+
+def test_allocator_is_thread_safe():
+    kv = kvmove.KVCache({"kv": make_layers(1, 4, 4, torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=64, page_tokens=1)
+    owner = [None] * 64
+    failures = []
+
+    def worker(me):
+        for i in range(300):
+            slots = staging.alloc(1 + (i + me) % 5, timeout=None)
+            for s in slots.tolist():
+                if owner[s] is not None:
+                    failures.append((s, owner[s], me))
+                owner[s] = me
+            for s in slots.tolist():
+                owner[s] = None
+            staging.free(slots)
+
+    threads = [threading.Thread(target=worker, args=(m,)) for m in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert staging.num_free == 64

@@ -1,0 +1,210 @@
+"""The row-copy kernels: the Triton kernel (through the interpreter) and the torch backend
+give identical bytes, equal to an independent per-row reference, for hypothesis-generated
+caches; padding, duplicates, layer subsets and out-of-range rows behave as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvmove
+from tests.caches import assert_same, buffer_specs, build_cache, random_bytes, snapshot
+
+BACKENDS = ["torch", "triton"]
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch):
+    """Kernels run on the CPU through the Triton interpreter (set per test, never globally)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def fill_random(staging: kvmove.StagingBuffer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name in staging.buffer_names:
+        t = staging.tensor(name)
+        t.copy_(random_bytes(t.shape, torch.uint8, g))
+
+
+@st.composite
+def page_batches(draw, kv_slots, staging_slots, page_tokens):
+    """(token_pages, slots): scattered, duplicate and -1 KV rows; distinct staging slots."""
+    n = draw(st.integers(1, min(4, staging_slots)))
+    token = st.one_of(st.integers(0, kv_slots - 1), st.just(-1))
+    pages = draw(st.lists(st.lists(token, min_size=page_tokens, max_size=page_tokens),
+                          min_size=n, max_size=n))
+    slots = draw(st.permutations(range(staging_slots)))[:n]
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    return torch.tensor(pages, dtype=dtype), torch.tensor(slots, dtype=dtype)
+
+
+def expected_gather(kv, before, token_pages, slots, page_tokens):
+    """Per-row reference of a gather, written independently of kvmove's index maths."""
+    out = {n: [t.clone() for t in layers] for n, layers in before.items()}
+    for name in kv.buffer_names:
+        rb = kv.row_bytes(name)
+        for layer in range(kv.num_layers(name)):
+            src = kv.layer(name, layer)
+            for p, slot in enumerate(slots.tolist()):
+                for t, row in enumerate(token_pages[p].tolist()):
+                    if row >= 0:
+                        out[name][layer][slot, t * rb:(t + 1) * rb] = src[row]
+    return out
+
+
+@SETTINGS
+@given(data=st.data(), specs=buffer_specs(),
+       page_tokens=st.sampled_from([1, 2, 3, 5, 16, 64]), kv_slots=st.integers(4, 40))
+def test_gather_backends_agree_with_reference(data, specs, page_tokens, kv_slots):
+    kv = build_cache(specs, kv_slots, seed=data.draw(st.integers(0, 1000)))
+    staging_slots = data.draw(st.integers(1, 6))
+    token_pages, slots = data.draw(page_batches(kv_slots, staging_slots, page_tokens))
+    results = []
+    for backend in BACKENDS:
+        staging = kvmove.StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens)
+        fill_random(staging, seed=7)
+        before = snapshot(staging)
+        errors = kvmove.gather(kv, staging, token_pages, slots, backend=backend)
+        assert int(errors) == 0
+        results.append(snapshot(staging))
+    assert_same(results[0], results[1])
+    assert_same(results[0], expected_gather(kv, before, token_pages, slots, page_tokens))
+
+
+@SETTINGS
+@given(data=st.data(), specs=buffer_specs(),
+       page_tokens=st.sampled_from([1, 2, 4, 16, 64]), kv_slots=st.integers(4, 40))
+def test_gather_then_scatter_into_other_slots_reproduces_rows(data, specs, page_tokens, kv_slots):
+    kv = build_cache(specs, kv_slots, seed=1)
+    staging_slots = data.draw(st.integers(1, 5))
+    token_pages, slots = data.draw(page_batches(kv_slots, staging_slots, page_tokens))
+    # Destination rows: distinct KV rows of another cache, -1 where the source was padding.
+    n = token_pages.shape[0]
+    perm = torch.tensor(data.draw(st.permutations(range(kv_slots))))
+    needed = n * page_tokens
+    if needed > kv_slots:
+        perm = torch.cat([perm, torch.full((needed - kv_slots,), -1)])
+    dst_pages = perm[:needed].reshape(n, page_tokens).to(token_pages.dtype)
+    dst_pages[token_pages < 0] = -1
+    layers = data.draw(st.one_of(st.none(), st.integers(0, kv.max_layers - 1)))
+    results = []
+    for backend in BACKENDS:
+        staging = kvmove.StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens)
+        kvmove.gather(kv, staging, token_pages, slots, backend=backend)
+        other = build_cache(specs, kv_slots, seed=99)
+        before = snapshot(other)
+        errors = kvmove.scatter(staging, slots, other, dst_pages, layers=layers, backend=backend)
+        assert int(errors) == 0
+        after = snapshot(other)
+        # Every named row holds the source row; every other row is bit-identical.
+        expect = {k: [t.clone() for t in v] for k, v in before.items()}
+        for name in kv.buffer_names:
+            for layer in range(kv.num_layers(name)):
+                if layers is not None and layer != layers:
+                    continue
+                for s_row, d_row in zip(token_pages.reshape(-1).tolist(),
+                                        dst_pages.reshape(-1).tolist(), strict=True):
+                    if d_row >= 0:
+                        expect[name][layer][d_row] = kv.layer(name, layer)[s_row]
+        assert_same(after, expect)
+        results.append(after)
+    assert_same(results[0], results[1])
+
+
+@SETTINGS
+@given(data=st.data(), specs=buffer_specs(max_buffers=2, max_layers=3),
+       kv_slots=st.integers(2, 30))
+def test_copy_rows_kv_to_kv_backends_agree(data, specs, kv_slots):
+    src = build_cache(specs, kv_slots, seed=3)
+    n = data.draw(st.integers(0, kv_slots))
+    src_rows = torch.tensor(data.draw(st.lists(st.integers(-1, kv_slots - 1), min_size=n,
+                                               max_size=n)), dtype=torch.int64)
+    dst_rows = torch.tensor(data.draw(st.permutations(range(kv_slots)))[:n], dtype=torch.int32)
+    results = []
+    for backend in BACKENDS:
+        dst = build_cache(specs, kv_slots, seed=4)
+        kvmove.copy_rows(src, src_rows, dst, dst_rows, backend=backend)
+        results.append(snapshot(dst))
+    assert_same(results[0], results[1])
+    for name in src.buffer_names:
+        for layer in range(src.num_layers(name)):
+            for s, d in zip(src_rows.tolist(), dst_rows.tolist(), strict=True):
+                if s >= 0:
+                    assert torch.equal(results[0][name][layer][d], src.layer(name, layer)[s])
+
+
+def underlying(kv: kvmove.KVCache) -> list[torch.Tensor]:
+    """Every tensor whose memory the cache views, padding between rows included."""
+    out = []
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            t = kv.layer(name, layer)
+            out.append((t._base if t._base is not None else t).clone())
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchecked_out_of_range_rows_are_counted_and_never_written(backend):
+    specs = [("kv", 3, 656, torch.uint8, 3, False), ("ix", 2, 132, torch.float32, 1, False)]
+    kv = build_cache(specs, 16, seed=5)
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
+    fill_random(staging, seed=1)
+    # Gather with bad KV rows (16, 1000, -7) and a bad slot (9): skipped and counted.
+    token_pages = torch.tensor([[0, 16, 1000, 2], [3, -7, -1, 4], [5, 6, 7, 8]])
+    slots = torch.tensor([0, 1, 9])
+    staging_before = snapshot(staging)
+    errors = kvmove.gather(kv, staging, token_pages, slots, backend=backend, check=False)
+    assert int(errors) == 3 + 4  # three bad KV rows, four rows of the bad slot
+    after = snapshot(staging)
+    for name in kv.buffer_names:
+        rb = kv.row_bytes(name)
+        for layer in range(kv.num_layers(name)):
+            expect = staging_before[name][layer].clone()
+            for slot, t, row in [(0, 0, 0), (0, 3, 2), (1, 0, 3), (1, 3, 4)]:
+                expect[slot, t * rb:(t + 1) * rb] = kv.layer(name, layer)[row]
+            assert torch.equal(after[name][layer], expect)
+    # Scatter to out-of-range KV rows: nothing outside the cache (or between rows) changes.
+    before = underlying(kv)
+    errors = kvmove.scatter(staging, torch.tensor([0, 1]), kv,
+                            torch.tensor([[16, 17, -3, 10**9], [-1, -1, -1, 99]]),
+                            backend=backend, check=False)
+    assert int(errors) == 5
+    for x, y in zip(before, underlying(kv), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_errors_accumulate_into_callers_counter(backend):
+    kv = build_cache([("kv", 2, 132, torch.uint8, 0, True)], 8)
+    staging = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=2)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for _ in range(3):
+        kvmove.gather(kv, staging, torch.tensor([[0, 8]]), torch.tensor([0]), backend=backend,
+                      check=False, errors=counter)
+    assert int(counter) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_subset_copies_only_those_layers(backend):
+    specs = [("a", 4, 576, torch.bfloat16, 0, True), ("b", 2, 4, torch.float32, 0, False)]
+    kv = build_cache(specs, 8, seed=2)
+    staging = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=3)
+    zero = snapshot(staging)
+    kvmove.copy_rows(kv, torch.tensor([1, 2, 3]), staging, torch.tensor([0, 1, 2]),
+                     layers=[3], backend=backend)
+    after = snapshot(staging)
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            changed = not torch.equal(after[name][layer], zero[name][layer])
+            assert changed == (name == "a" and layer == 3)
+
+
+def test_auto_backend_is_torch_without_a_gpu():
+    from kvmove.copy import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
