@@ -1,0 +1,51 @@
+"""Store keys namespaced by the cache geometry, so that a process whose cache has another
+geometry (buffers, layer counts, row bytes, dtypes, page size) can never read bytes it would
+misinterpret."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+from kvmove.cache import KVCache
+
+_PREFIX_OK = re.compile(r"^[A-Za-z0-9._\-]*$")
+
+
+def geometry_fingerprint(kv: KVCache, page_tokens: int) -> str:
+    """12 hex digits that change whenever the object format would change."""
+    geometry = {
+        "format": 1,
+        "page_tokens": page_tokens,
+        "buffers": [[n, layers, rb, dtype, list(shape)]
+                    for n, layers, rb, dtype, shape in kv.geometry()],
+    }
+    blob = json.dumps(geometry, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+class KeySpace:
+    """Maps the engine's keys to store keys: ``kvm-<fingerprint>[-<prefix>]:<key>``.
+
+    ``prefix`` is the caller's own namespace (model name, tp rank, ...): letters, digits,
+    ``.``, ``_`` and ``-``.
+    """
+
+    def __init__(self, kv: KVCache, page_tokens: int, prefix: str = ""):
+        if not isinstance(prefix, str) or not _PREFIX_OK.match(prefix):
+            raise ValueError(
+                f"key_prefix must use only letters, digits, '.', '_' and '-', got {prefix!r}"
+            )
+        self.fingerprint = geometry_fingerprint(kv, page_tokens)
+        self.namespace = f"kvm-{self.fingerprint}" + (f"-{prefix}" if prefix else "")
+
+    def store_keys(self, keys: list[str]) -> list[str]:
+        head = self.namespace + ":"
+        return [head + k for k in keys]
+
+    def engine_key(self, store_key: str) -> str:
+        head = self.namespace + ":"
+        if not store_key.startswith(head):
+            raise ValueError(f"{store_key!r} is not a key of namespace {self.namespace!r}")
+        return store_key[len(head):]
