@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -16,6 +17,8 @@ def main(argv=None) -> int:
     demo.build_parser(sub.add_parser("demo", help="simulated HiSparse decode loop, verified"))
     sub.add_parser("tune", help="autotune the Triton kernels for this GPU", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    # Mooncake's own (glog) logging: errors only, unless -v; an explicit setting wins.
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if args.verbose else "ERROR")
     logging.basicConfig(level=logging.WARNING - 10 * args.verbose,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command == "tune":

@@ -40,13 +40,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--indexer-layers", type=int, default=None,
                    help="indexer layers (default: same as --layers; 0 = no indexer buffer)")
     p.add_argument("--page-tokens", type=int, default=64 if on_gpu else 16)
-    p.add_argument("--pages", type=int, default=4096 if on_gpu else 160,
+    p.add_argument("--pages", type=int, default=4096 if on_gpu else 400,
                    help="logical pages in the sequence")
-    p.add_argument("--resident", type=int, default=1024 if on_gpu else 48,
+    p.add_argument("--resident", type=int, default=1024 if on_gpu else 64,
                    help="pages that fit in the device hot buffer")
-    p.add_argument("--topk", type=int, default=32 if on_gpu else 12,
+    p.add_argument("--topk", type=int, default=32 if on_gpu else 16,
                    help="pages attention selects per step")
-    p.add_argument("--steps", type=int, default=400 if on_gpu else 120)
+    p.add_argument("--steps", type=int, default=400 if on_gpu else 200)
     p.add_argument("--staging-slots", type=int, default=None,
                    help="staging pages (default: enough for one step's traffic)")
     p.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto")
@@ -218,9 +218,10 @@ def decode_step(args, rng, mover, hot, tally, stored, tail, fill, tail_hot):
             hot.where[tail] = tail_hot
         else:
             fill = args.page_tokens - 1  # the sequence is full: keep rewriting its last token
-    # 2. Top-k selection: recent pages more likely (a decaying preference), no tail page.
+    # 2. Top-k selection: half a preference for recent pages, half uniform, no tail page.
     candidates = np.array(sorted(stored))
-    weights = np.exp(-(tail - candidates) / max(8.0, args.pages / 8))
+    recency = np.exp(-(tail - candidates) / max(8.0, args.pages / 16))
+    weights = recency / recency.sum() + 1.0 / candidates.size
     k = min(args.topk, candidates.size)
     chosen = rng.choice(candidates, size=k, replace=False, p=weights / weights.sum()).tolist()
     missing = [p for p in chosen if p not in hot.where]
@@ -286,7 +287,7 @@ def report(args, tally: Tally, seconds: float, console: Console) -> bool:
         return f"{nbytes / secs / 1e9:.2f}" if secs > 0 else "-"
 
     table = Table(title=f"kvmove demo: {args.steps} decode steps in {seconds:.1f} s "
-                        f"({args.backend} backend, {args.device})")
+                        f"({args.backend} backend, {args.device})", min_width=72)
     table.add_column("direction")
     table.add_column("pages", justify="right")
     table.add_column("GB", justify="right")
