@@ -1,19 +1,24 @@
 """Launch configs of the row-copy kernel: one place, keyed by (direction, row-size class,
 page-tokens class), looked up in tuned tables first, then defaults.
 
-Tuned tables are JSON files ``tuned/<gpu-name>.json`` shipped beside this module, plus any
-tables registered at run time (the per-user tuning cache registers its own first).
+A tuned table holds, per key, a :class:`LaunchConfig` and optionally the faster *path*
+(``"direct"``: the kernel writes host memory itself; ``"two_hop"``: the kernel gathers into
+a device ring and the copy engine moves it). Lookup order for a GPU: tables registered at
+run time for that GPU (the per-user tuning cache registers its own), then tables registered
+for every GPU, then the table shipped beside this module as ``tuned/<gpu-slug>.json``, then
+the defaults.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 TUNED_DIR = Path(__file__).with_name("tuned")
 DEFAULT_MAX_PROGRAMS = 16  # leave the SMs to the engine's forward pass
+PATHS = ("direct", "two_hop")
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,20 @@ class LaunchConfig:
         return asdict(self)
 
 
+@dataclass
+class TunedTable:
+    """Per key: the launch config, and the faster path where it was measured."""
+
+    configs: dict[str, LaunchConfig] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)  # key -> "direct" | "two_hop"
+
+    def to_json(self) -> dict:
+        return {
+            "configs": {k: c.to_dict() for k, c in sorted(self.configs.items())},
+            "paths": dict(sorted(self.paths.items())),
+        }
+
+
 # The Triton interpreter (CPU) runs one fixed config: few, fat programs.
 INTERPRETER_CONFIG = LaunchConfig(block_bytes=256, rows=16, num_warps=1, max_programs=4)
 
@@ -38,8 +57,9 @@ _DEFAULTS = {
     "large": LaunchConfig(block_bytes=4096, rows=2, num_warps=8, max_programs=_CAP),
 }
 
-_registered: list[dict[str, LaunchConfig]] = []  # run-time tables, first wins
-_shipped: dict[str, dict[str, LaunchConfig]] = {}  # gpu slug -> table, loaded lazily
+# Run-time tables, first wins: (gpu slug or None for every GPU, table).
+_registered: list[tuple[str | None, TunedTable]] = []
+_shipped: dict[str, TunedTable] = {}  # gpu slug -> table, loaded lazily
 
 
 def row_class(row_bytes: int) -> str:
@@ -66,6 +86,10 @@ def config_key(direction: str, row_bytes: int, page_tokens: int) -> str:
     return f"{direction}/{row_class(row_bytes)}/{tokens_class(page_tokens)}"
 
 
+def default_config(row_bytes: int) -> LaunchConfig:
+    return _DEFAULTS[row_class(row_bytes)]
+
+
 def gpu_slug(name: str) -> str:
     """A file-name-safe form of a GPU name: 'NVIDIA H200' -> 'nvidia-h200'."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -75,21 +99,52 @@ def table_from_json(data: dict) -> dict[str, LaunchConfig]:
     return {key: LaunchConfig(**value) for key, value in data.get("configs", {}).items()}
 
 
-def shipped_table(gpu_name: str) -> dict[str, LaunchConfig]:
+def tuned_table_from_json(data: dict) -> TunedTable:
+    """A :class:`TunedTable` from its JSON form (``{"configs": {...}, "paths": {...}}``);
+    unknown path names are dropped."""
+    paths = {k: v for k, v in data.get("paths", {}).items() if v in PATHS}
+    return TunedTable(configs=table_from_json(data), paths=paths)
+
+
+def shipped_table(gpu_name: str) -> TunedTable:
     slug = gpu_slug(gpu_name)
     if slug not in _shipped:
         path = TUNED_DIR / f"{slug}.json"
-        _shipped[slug] = table_from_json(json.loads(path.read_text())) if path.exists() else {}
+        _shipped[slug] = (
+            tuned_table_from_json(json.loads(path.read_text())) if path.exists() else TunedTable()
+        )
     return _shipped[slug]
 
 
-def register_table(table: dict[str, LaunchConfig]) -> None:
-    """Put a tuned table in front of the shipped ones (the user's tuning cache)."""
-    _registered.insert(0, table)
+def register_table(table: dict[str, LaunchConfig] | TunedTable,
+                   gpu_name: str | None = None) -> None:
+    """Put a tuned table in front of the shipped ones (the user's tuning cache), for the GPU
+    named ``gpu_name`` or, with None, for every GPU. A later registration wins."""
+    if not isinstance(table, TunedTable):
+        table = TunedTable(configs=dict(table))
+    _registered.insert(0, (None if gpu_name is None else gpu_slug(gpu_name), table))
+
+
+def unregister_table(table: TunedTable) -> None:
+    """Remove a table registered earlier (every registration of that very object)."""
+    _registered[:] = [(s, t) for s, t in _registered if t is not table]
 
 
 def clear_registered() -> None:
     _registered.clear()
+
+
+def clear_shipped_cache() -> None:
+    """Forget the shipped tables read so far (they are re-read on next use)."""
+    _shipped.clear()
+
+
+def tables_for(gpu_name: str) -> list[TunedTable]:
+    """The tables consulted for ``gpu_name``, in lookup order (defaults excluded)."""
+    slug = gpu_slug(gpu_name)
+    mine = [t for s, t in _registered if s == slug]
+    everyone = [t for s, t in _registered if s is None]
+    return [*mine, *everyone, shipped_table(gpu_name)]
 
 
 def pick(direction: str, row_bytes: int, page_tokens: int, gpu_name: str | None) -> LaunchConfig:
@@ -98,7 +153,17 @@ def pick(direction: str, row_bytes: int, page_tokens: int, gpu_name: str | None)
     if gpu_name is None:
         return INTERPRETER_CONFIG
     key = config_key(direction, row_bytes, page_tokens)
-    for table in (*_registered, shipped_table(gpu_name)):
-        if key in table:
-            return table[key]
-    return _DEFAULTS[row_class(row_bytes)]
+    for table in tables_for(gpu_name):
+        if key in table.configs:
+            return table.configs[key]
+    return default_config(row_bytes)
+
+
+def pick_path(direction: str, row_bytes: int, page_tokens: int, gpu_name: str) -> str | None:
+    """The path recorded as faster for this shape on this GPU (``"direct"`` or
+    ``"two_hop"``), in the same lookup order as :func:`pick`; None where none was measured."""
+    key = config_key(direction, row_bytes, page_tokens)
+    for table in tables_for(gpu_name):
+        if key in table.paths:
+            return table.paths[key]
+    return None

@@ -14,7 +14,7 @@ from kvmove.row_pool import BufferRows, RowPool
 from kvmove.staging import StagingBuffer
 from kvmove.torch_backend import copy_rows_torch
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "two_hop")
 Pool = KVCache | StagingBuffer
 
 
@@ -35,11 +35,21 @@ def kernel_device(src: RowPool, dst: RowPool) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, *, direction: str | None = None,
+                    row_bytes: int | None = None, page_tokens: int = 1) -> str:
+    """The backend that runs a copy on ``device``. ``"auto"`` is torch without a GPU; on
+    CUDA it is the direct Triton kernel, or the two-hop path where the tuner recorded that
+    as faster for this shape (when ``direction`` and ``row_bytes`` are given)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type != "cuda":
+            return "torch"
+        if direction is None or row_bytes is None:
+            return "triton"
+        from kvmove.tuning import preferred_backend
+
+        return preferred_backend(device, direction, row_bytes, page_tokens)
     return backend
 
 
@@ -85,6 +95,10 @@ def _launch_triton(src, dst, layers, s, d, errors, direction, page_tokens, devic
     from kvmove.kernels.copy_rows import copy_rows as launch
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    if gpu is not None:
+        from kvmove.tuning import prepare
+
+        prepare(gpu, device, direction, src.row_bytes, page_tokens)  # user cache, autotune
     config = configs.pick(direction, src.row_bytes, page_tokens, gpu)
     launch(
         src.address_table(tuple(layers), device),
@@ -117,10 +131,18 @@ def _copy(
 ) -> torch.Tensor:
     sp, dp = src.row_pool, dst.row_pool
     device = kernel_device(sp, dp)
-    backend = resolve_backend(backend, device)
+    kinds = {  # the backend of each buffer ("auto" may differ by row size)
+        name: resolve_backend(backend, device, direction=direction, row_bytes=b.row_bytes,
+                              page_tokens=page_tokens)
+        for name, b in sp.buffers.items()
+    }
     chosen = select_layers(sp, layers)
     if errors is None:
         errors = torch.zeros(1, dtype=torch.int32, device=device)
+    elif not (isinstance(errors, torch.Tensor) and errors.dtype == torch.int32
+              and errors.numel() == 1 and errors.device == device):
+        raise TypeError(f"errors must be an int32 tensor of one element on {device}, "
+                        f"got {errors!r:.80}")
     if check:
         limit_s = next(iter(sp.buffers.values())).num_rows
         limit_d = next(iter(dp.buffers.values())).num_rows
@@ -129,17 +151,23 @@ def _copy(
         check_unique(dst_rows, "dst_rows")
     if src_rows.numel() == 0:
         return errors
-    if backend == "triton":
-        src_rows = src_rows.to(device, non_blocking=True)
-        dst_rows = dst_rows.to(device, non_blocking=True)
+    host_rows = src_rows, dst_rows  # as given, for the two-hop path's span planning
+    if "triton" in kinds.values():  # the kernel reads the indices as dense arrays on its device
+        src_rows = src_rows.to(device, non_blocking=True).contiguous()
+        dst_rows = dst_rows.to(device, non_blocking=True).contiguous()
     counter = errors  # count bad rows in the first buffer's copy only
     for name, src_buf in sp.buffers.items():
         if not chosen[name]:
             continue
         dst_buf = dp.buffers[name]
-        if backend == "triton":
+        if kinds[name] == "triton":
             _launch_triton(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter,
                            direction, page_tokens, device)
+        elif kinds[name] == "two_hop":
+            from kvmove.two_hop import copy_rows_two_hop
+
+            copy_rows_two_hop(src_buf, dst_buf, chosen[name], *host_rows, counter,
+                              direction=direction, page_tokens=page_tokens)
         else:
             copy_rows_torch(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter)
         counter = None
@@ -169,8 +197,9 @@ def copy_rows(
     device; ``errors`` accumulates into a caller's counter).
     """
     sp, dp = _row_pool(src, "src"), _row_pool(dst, "dst")
-    src_rows = as_index_tensor(src_rows, "src_rows", dim=1)
-    dst_rows = as_index_tensor(dst_rows, "dst_rows", dim=1)
+    device = kernel_device(sp, dp)
+    src_rows = as_index_tensor(src_rows, "src_rows", dim=1, device=device)
+    dst_rows = as_index_tensor(dst_rows, "dst_rows", dim=1, device=device)
     if src_rows.numel() != dst_rows.numel():
         raise ValueError(
             f"src_rows has {src_rows.numel()} rows but dst_rows has {dst_rows.numel()}"
@@ -190,8 +219,9 @@ def _page_args(kv, staging, token_pages, slots):
         raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
     if not isinstance(staging, StagingBuffer):
         raise TypeError(f"staging must be a kvmove.StagingBuffer, got {type(staging).__name__}")
-    token_pages = as_index_tensor(token_pages, "token_pages", dim=2)
-    slots = as_index_tensor(slots, "slots", dim=1)
+    device = kernel_device(kv.row_pool, staging.row_pool)
+    token_pages = as_index_tensor(token_pages, "token_pages", dim=2, device=device)
+    slots = as_index_tensor(slots, "slots", dim=1, device=device)
     n, p = token_pages.shape
     if token_pages.numel() and p != staging.page_tokens:
         raise ValueError(

@@ -5,20 +5,29 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def as_index_tensor(value, name: str, *, dim: int) -> torch.Tensor:
-    """``value`` as an int32/int64 tensor of ``dim`` dimensions, or a clear error naming
-    ``name``. Lists and tuples of ints are accepted and become int64."""
+def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None = None
+                    ) -> torch.Tensor:
+    """``value`` as an int32/int64 tensor of ``dim`` dimensions, on the CPU or ``device``,
+    or a clear error naming ``name``. Lists and tuples of ints are accepted (int64)."""
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (list, tuple)):
-            flat = value if dim == 1 else [x for row in value for x in row]
-            if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in flat):
-                raise TypeError(f"{name} must hold integers, got {value!r:.80}")
-            value = torch.tensor(value, dtype=torch.int64)
+            rows = value if dim == 2 else [value]
+            if not all(isinstance(row, (list, tuple)) for row in rows) or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                for row in rows for x in row
+            ):
+                raise TypeError(f"{name} must hold integers in {dim} dimension(s), "
+                                f"got {value!r:.80}")
+            try:
+                value = torch.tensor(value, dtype=torch.int64)
+            except (RuntimeError, ValueError, OverflowError) as e:
+                raise ValueError(f"{name} is not a valid index list: {e}") from None
             if value.numel() == 0:
                 value = value.reshape((0,) * dim if dim == 1 else (0, 0))
         else:
@@ -27,6 +36,11 @@ def as_index_tensor(value, name: str, *, dim: int) -> torch.Tensor:
         raise TypeError(f"{name} must be int32 or int64, got dtype {value.dtype}")
     if value.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(value.shape)}")
+    if value.device.type != "cpu" and value.device != device:
+        raise ValueError(
+            f"{name} is on {value.device}; indices must be on the CPU"
+            + (f" or {device}" if device is not None and device.type != "cpu" else "")
+        )
     return value
 
 
@@ -63,3 +77,34 @@ def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
     t = torch.arange(page_tokens, dtype=torch.int64, device=slots.device)
     rows = slots[:, None] * page_tokens + t[None, :]
     return torch.where(slots[:, None] == -1, torch.full_like(rows, -1), rows).reshape(-1)
+
+
+def as_int_array(value, name: str) -> np.ndarray:
+    """``value`` (tensor, array or sequence of ints) as a 1-D int64 numpy array."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} must hold integers, got a tensor of {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise TypeError(f"{name} must be a tensor with data, got a meta tensor")
+        return value.detach().cpu().numpy().astype(np.int64, copy=False)
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must hold integers, got {type(value).__name__} {value!r}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TypeError(f"{name} must be a sequence of integers, got {value!r:.80} ({e})") \
+            from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got {type(value).__name__} of shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) or (
+        arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max
+    ):
+        items = value if isinstance(value, (list, tuple)) else arr.tolist()
+        bad = next((v for v in items if isinstance(v, bool) or not isinstance(v, int)
+                    or not -(2**63) <= v < 2**63), arr[0])
+        raise TypeError(f"{name} must hold int64 integers, got {bad!r:.40}")
+    return arr.astype(np.int64, copy=False)

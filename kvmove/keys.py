@@ -13,11 +13,12 @@ from kvmove.cache import KVCache
 _PREFIX_OK = re.compile(r"^[A-Za-z0-9._\-]*$")
 
 
-def geometry_fingerprint(kv: KVCache, page_tokens: int) -> str:
+def geometry_fingerprint(kv: KVCache, page_tokens: int, checksum: bool = False) -> str:
     """12 hex digits that change whenever the object format would change."""
     geometry = {
         "format": 1,
         "page_tokens": page_tokens,
+        "checksum": checksum,
         "buffers": [[n, layers, rb, dtype, list(shape)]
                     for n, layers, rb, dtype, shape in kv.geometry()],
     }
@@ -32,12 +33,13 @@ class KeySpace:
     ``.``, ``_`` and ``-``.
     """
 
-    def __init__(self, kv: KVCache, page_tokens: int, prefix: str = ""):
+    def __init__(self, kv: KVCache, page_tokens: int, prefix: str = "", *,
+                 checksum: bool = False):
         if not isinstance(prefix, str) or not _PREFIX_OK.match(prefix):
             raise ValueError(
                 f"key_prefix must use only letters, digits, '.', '_' and '-', got {prefix!r}"
             )
-        self.fingerprint = geometry_fingerprint(kv, page_tokens)
+        self.fingerprint = geometry_fingerprint(kv, page_tokens, checksum)
         self.namespace = f"kvm-{self.fingerprint}" + (f"-{prefix}" if prefix else "")
 
     def store_keys(self, keys: list[str]) -> list[str]:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from kvmove.cache import KVCache
+from kvmove.checksum import TRAILER_BYTES, PageChecksum
 from kvmove.copy import gather, kernel_device, resolve_backend, scatter
 from kvmove.describe import Descriptors, check_keys, describe
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.indices import as_index_tensor, check_range, check_unique
 from kvmove.keys import KeySpace
 from kvmove.staging import StagingBuffer
-from kvmove.status import Status
+from kvmove.status import CHECKSUM_MISMATCH, Status
 from kvmove.transfer import StageTimes, Transfer, TransferResult
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,11 @@ class KVMover:
     slots, then raises :class:`StagingFull`; pages are never dropped.
 
     Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``.
+
+    With ``checksum=True`` every object carries an 8-byte fingerprint of its bytes, computed
+    from the staging after the gather and verified after the get: a page whose bytes do not
+    match is reported ``FAILED`` (raw code -801) and never scattered. Off by default (it
+    costs a host pass over the staged bytes; ``bench`` reports the overhead).
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class KVMover:
         workers: int = 2,
         alloc_timeout: float | None = 60.0,
         check: bool = True,
+        checksum: bool = False,
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
@@ -72,11 +79,13 @@ class KVMover:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         self.kv = kv
         self.store = store
-        self.staging = StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens)
+        self.staging = StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens,
+                                     trailer_bytes=TRAILER_BYTES if checksum else 0)
+        self._checksum = PageChecksum(self.staging) if checksum else None
         self.page_tokens = page_tokens
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
         self.backend = resolve_backend(backend, self.device)
-        self.keyspace = KeySpace(kv, page_tokens, key_prefix)
+        self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum)
         self.alloc_timeout = alloc_timeout
         self.check = check
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -96,15 +105,14 @@ class KVMover:
         keys, token_pages = self._check_call(keys, token_pages)
         slots = self._alloc(len(keys))
         try:
-            desc = describe(self.staging, slots, self.keyspace.store_keys(keys),
-                            valid_tokens=valid_tokens)
+            desc = self._describe(slots, keys, valid_tokens)
             t0 = time.perf_counter()
             gathered = self._gather(token_pages, slots)
             gather_s = time.perf_counter() - t0
         except BaseException:
             self.staging.free(slots)
             raise
-        future = self._submit(self._put_job, desc, slots, gathered, gather_s, token_pages)
+        future = self._submit(self._put_job, desc, slots, gathered, gather_s, valid_tokens)
         return Transfer(keys, future, kind="evict", num_layers=self.kv.max_layers,
                         gathered=gathered)
 
@@ -121,15 +129,14 @@ class KVMover:
             check_unique(token_pages, "token_pages")
         slots = self._alloc(len(keys))
         try:
-            desc = describe(self.staging, slots, self.keyspace.store_keys(keys),
-                            valid_tokens=valid_tokens)
+            desc = self._describe(slots, keys, valid_tokens)
         except BaseException:
             self.staging.free(slots)
             raise
         transfer_box: list[Transfer] = []
         ready = threading.Event()
         future = self._submit(self._get_job, desc, slots, token_pages, layerwise,
-                              transfer_box, ready)
+                              valid_tokens, transfer_box, ready)
         transfer = Transfer(keys, future, kind="prefetch", num_layers=self.kv.max_layers)
         transfer_box.append(transfer)
         ready.set()
@@ -170,7 +177,7 @@ class KVMover:
         if self._closed:
             raise KVMoveError("the KVMover is closed")
         keys = check_keys(keys)
-        token_pages = as_index_tensor(token_pages, "token_pages", dim=2)
+        token_pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
         if token_pages.shape[0] != len(keys):
             raise ValueError(
                 f"token_pages has {token_pages.shape[0]} pages for {len(keys)} keys"
@@ -189,6 +196,24 @@ class KVMover:
 
     def _alloc(self, n: int) -> torch.Tensor:
         return self.staging.alloc(n, timeout=self.alloc_timeout)
+
+    def _describe(self, slots: torch.Tensor, keys: list[str], valid_tokens) -> Descriptors:
+        """The objects' descriptors; with checksums, each ends with its slot's trailer."""
+        desc = describe(self.staging, slots, self.keyspace.store_keys(keys),
+                        valid_tokens=valid_tokens)
+        if self._checksum is None or len(desc) == 0:
+            return desc
+        trailer = self.staging.trailer
+        base, width = trailer.data_ptr(), trailer.shape[1]
+        tails = (slots * width + base).tolist()
+        return Descriptors(desc.keys, [[*p, t] for p, t in zip(desc.ptrs, tails, strict=True)],
+                           [[*s, width] for s in desc.sizes], regions=self.staging.regions())
+
+    def _valid_tokens(self, valid_tokens, n: int) -> torch.Tensor:
+        """``valid_tokens`` (already validated by ``describe``) as int64 ``[n]``."""
+        if valid_tokens is None:
+            return torch.full((n,), self.page_tokens, dtype=torch.int64)
+        return torch.as_tensor(valid_tokens, dtype=torch.int64).reshape(-1).expand(n)
 
     def _gather(self, token_pages: torch.Tensor, slots: torch.Tensor):
         if self._stream is None:
@@ -236,12 +261,15 @@ class KVMover:
                 s.statuses[st] += 1
 
     # -- background jobs ------------------------------------------------------------------
-    def _put_job(self, desc: Descriptors, slots, gathered, gather_s, token_pages):
+    def _put_job(self, desc: Descriptors, slots, gathered, gather_s, valid_tokens):
         times = StageTimes(gather=gather_s)
         try:
             if gathered is not None:
                 gathered.synchronize()
-                times.gather = gather_s  # enqueue time; the device time overlaps the put
+            if self._checksum is not None:
+                t0 = time.perf_counter()
+                self._checksum.write(slots, self._valid_tokens(valid_tokens, len(slots)))
+                times.gather += time.perf_counter() - t0
             t0 = time.perf_counter()
             statuses, codes = self._store_call(self.store.put, desc)
             times.put = time.perf_counter() - t0
@@ -252,13 +280,16 @@ class KVMover:
         self._count(result, put=True)
         return result
 
-    def _get_job(self, desc: Descriptors, slots, token_pages, layerwise, box, ready):
+    def _get_job(self, desc: Descriptors, slots, token_pages, layerwise, valid_tokens, box,
+                 ready):
         ready.wait()
         transfer: Transfer = box[0]
         times = StageTimes()
         try:
             t0 = time.perf_counter()
             statuses, codes = self._store_call(self.store.get, desc)
+            if self._checksum is not None:
+                self._verify(slots, valid_tokens, statuses, codes)
             times.get = time.perf_counter() - t0
             ok = torch.tensor([s is Status.OK for s in statuses], dtype=torch.bool)
             ok = ok.to(token_pages.device)
@@ -273,6 +304,18 @@ class KVMover:
         result = TransferResult(statuses, codes, nbytes, times)
         self._count(result, put=False)
         return result
+
+    def _verify(self, slots, valid_tokens, statuses: list[Status], codes: list[int]) -> None:
+        """Mark FAILED (code -801) every OK key whose bytes do not match its checksum."""
+        got = [i for i, s in enumerate(statuses) if s is Status.OK]
+        if not got:
+            return
+        idx = torch.tensor(got, dtype=torch.int64)
+        valid = self._valid_tokens(valid_tokens, len(slots))[idx]
+        for i, good in zip(got, self._checksum.matches(slots[idx], valid).tolist(), strict=True):
+            if not good:
+                statuses[i], codes[i] = Status.FAILED, CHECKSUM_MISMATCH
+                log.warning("object %s failed its checksum; not scattered", i)
 
     def _scatter(self, slots, token_pages, transfer: Transfer, layerwise: bool) -> None:
         layer_sets = range(self.kv.max_layers) if layerwise else [None]

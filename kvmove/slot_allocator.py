@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvmove.errors import StagingFull
+from kvmove.indices import as_int_array
 
 
 class SlotAllocator:
@@ -55,11 +56,9 @@ class SlotAllocator:
     def free(self, slots) -> None:
         """Return ``slots`` to the pool. A slot that is not allocated, out of range or named
         twice raises ``ValueError`` and nothing is freed."""
-        ids = np.asarray(torch.as_tensor(slots).cpu().reshape(-1))
+        ids = as_int_array(slots, "slots")
         if ids.size == 0:
             return
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"slots must be integers, got dtype {ids.dtype}")
         bad = (ids < 0) | (ids >= self.num_slots)
         if bad.any():
             raise ValueError(f"slots out of range 0..{self.num_slots - 1}: {ids[bad][:8].tolist()}")
@@ -74,3 +73,4 @@ class SlotAllocator:
             self._free[ids] = True
             self._num_free += ids.size
             self._cond.notify_all()
+

@@ -20,12 +20,16 @@ class StagingBuffer:
     pool, row ``slot * page_tokens + t`` is token ``t`` of slot ``slot``.
     """
 
-    def __init__(self, kv: KVCache, num_slots: int = 1024, page_tokens: int = 64):
+    def __init__(self, kv: KVCache, num_slots: int = 1024, page_tokens: int = 64, *,
+                 trailer_bytes: int = 0):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
         for name, value in (("num_slots", num_slots), ("page_tokens", page_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(trailer_bytes, bool) or not isinstance(trailer_bytes, int) or (
+                trailer_bytes < 0):
+            raise ValueError(f"trailer_bytes must be an int >= 0, got {trailer_bytes!r}")
         self.kv = kv
         self.num_slots = num_slots
         self.page_tokens = page_tokens
@@ -59,6 +63,9 @@ class StagingBuffer:
             )
         self._pool = RowPool(rows, kind="StagingBuffer")
         self._slots = SlotAllocator(num_slots)
+        # Per slot, a few bytes stored after the page's rows (kvmove's object checksum).
+        self.trailer_bytes = trailer_bytes
+        self._trailer = HostMemory(num_slots * trailer_bytes, pin=pin) if trailer_bytes else None
 
     # -- memory ---------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
@@ -68,9 +75,18 @@ class StagingBuffer:
         except KeyError:
             raise KeyError(f"no buffer {name!r}; buffers are {self.buffer_names}") from None
 
+    @property
+    def trailer(self) -> torch.Tensor | None:
+        """uint8 ``[num_slots, trailer_bytes]``, or None when ``trailer_bytes`` is 0."""
+        if self._trailer is None:
+            return None
+        return self._trailer.tensor.view(self.num_slots, self.trailer_bytes)
+
     def regions(self) -> list[tuple[int, int]]:
-        """``(address, nbytes)`` of each buffer's staging memory, to register with a store."""
-        return [(m.address, m.nbytes) for m in self._memory.values()]
+        """``(address, nbytes)`` of each buffer's staging memory (and the trailer region, if
+        any), to register with a store."""
+        memories = [*self._memory.values(), *([self._trailer] if self._trailer else [])]
+        return [(m.address, m.nbytes) for m in memories]
 
     @property
     def pinned(self) -> bool:
@@ -124,7 +140,7 @@ class StagingBuffer:
 
     def close(self) -> None:
         """Unpin the staging memory (on CUDA). The tensors stay readable on the host."""
-        for memory in self._memory.values():
+        for memory in [*self._memory.values(), *([self._trailer] if self._trailer else [])]:
             memory.close()
 
     def __repr__(self) -> str:

@@ -31,8 +31,12 @@ TRANSFER_FAIL = -800
 CHECKSUM_MISMATCH = -801
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
+# kvmove's code for the keys of a Mooncake call that raised instead of answering
+# (Mooncake itself uses -1 for INTERNAL_ERROR; either way the key FAILED).
+CLIENT_EXCEPTION = -1
 
 CODE_NAMES = {
+    CLIENT_EXCEPTION: "INTERNAL_ERROR",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
     OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",

@@ -1,0 +1,14 @@
+"""kvmove's benchmarks: the row-copy kernels against bulk, per-page and per-row memcpy, the
+torch primitives and a CPU rearrange, on any machine; one command, ``python -m
+bench.run_all``, writes ``bench/results/<machine>-<date>.json``, a plot and the tables.
+
+OpenMP threads wait *passively* here unless ``OMP_WAIT_POLICY`` says otherwise (it must be
+set before torch loads OpenMP, hence here): on a small, shared VM (2 vCPUs) torch's
+spinning OpenMP workers put a whole process into a mode where every parallel copy runs about
+6x slower (index_select 1.3 instead of 8.5 GB/s, measured), at random per process. Passive
+waiting makes runs comparable; the setting is recorded in each results file.
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

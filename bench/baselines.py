@@ -1,0 +1,159 @@
+"""What kvmove is measured against, on the same workload and bytes:
+
+- ``bulk``: one contiguous copy of the same number of bytes (the ceiling; device-to-host or
+  host-to-device on a GPU);
+- ``primitive`` (CPU): the torch primitive the torch backend calls, plain: per layer one
+  ``index_select`` into the staging view (gather) / ``index_copy_`` from it (scatter);
+- ``memcpy_page``: one memcpy per page-layer span (``ctypes.memmove`` on the CPU,
+  ``cudaMemcpyAsync`` to or from pinned host memory on a GPU);
+- ``memcpy_row``: one memcpy per token row per layer, what a naive port does;
+- ``cpu_rearrange`` (GPU): a bulk copy of the touched KV to pinned host memory, then a CPU
+  gather into the staging layout (scatter: the CPU rearranges into KV order, then one bulk
+  copy to the device).
+
+Per-call loops are timed on a prefix of at most ``max_calls`` copies (layer-major order);
+their rate is their bytes over their time. Every builder returns ``(function, bytes)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from bench.cases import Case
+from bench.workload import Workload
+
+Method = tuple[Callable[[], None], int]
+
+
+def bulk(w: Workload, case: Case) -> Method:
+    src, dst = ("kv", "staging") if case.direction == "gather" else ("staging", "kv")
+    a, b = w.flat(src, case.nbytes), w.flat(dst, case.nbytes)
+    blocking = w.device.type != "cuda"
+
+    def run() -> None:
+        b.copy_(a, non_blocking=not blocking)
+
+    return run, case.nbytes
+
+
+def primitive(w: Workload, case: Case) -> Method:
+    """Per layer ``index_select(kv, 0, rows, out=staging)`` / ``kv.index_copy_(0, rows,
+    staging)``: one call of the plain torch primitive per layer (CPU)."""
+    _, _, rows = w.indices(case.pages)
+    n = len(rows)
+    kv = [w.kv_layer(layer) for layer in range(case.layers)]
+    st = [w.staging_layer(layer)[:n] for layer in range(case.layers)]
+    if case.direction == "gather":
+        def run() -> None:
+            for k, s in zip(kv, st, strict=True):
+                torch.index_select(k, 0, rows, out=s)
+    else:
+        def run() -> None:
+            for k, s in zip(kv, st, strict=True):
+                k.index_copy_(0, rows, s)
+    return run, case.nbytes
+
+
+def _spans(w: Workload, case: Case, per: str, max_calls: int):
+    """``(dst, src, size)`` address arrays of the per-page or per-row copies of a case,
+    layer-major, at most ``max_calls`` of them."""
+    token_pages, slots, rows = w.indices(case.pages)
+    rb = w.row_bytes
+    kv_base = np.array([w.kv_layer(i).data_ptr() for i in range(case.layers)], dtype=np.int64)
+    st = w.staging.row_pool.buffers["kv"]
+    st_base = np.array(st.device_addresses[: case.layers], dtype=np.int64)
+    if per == "page":
+        kv_off = token_pages[:, 0].numpy() * rb  # pages are contiguous runs of KV rows
+        st_off = slots.numpy() * w.page_tokens * rb
+        size = w.page_tokens * rb
+    else:
+        kv_off = rows.numpy() * rb
+        st_off = np.arange(len(rows), dtype=np.int64) * rb
+        size = rb
+    per_layer = len(kv_off)
+    layers = min(case.layers, -(-max_calls // per_layer))
+    kv_addr = (kv_base[:layers, None] + kv_off[None, :]).reshape(-1)[:max_calls]
+    st_addr = (st_base[:layers, None] + st_off[None, :]).reshape(-1)[:max_calls]
+    dst, src = (st_addr, kv_addr) if case.direction == "gather" else (kv_addr, st_addr)
+    return dst.tolist(), src.tolist(), size
+
+
+def _memcpy_loop(w: Workload, dst: list[int], src: list[int], size: int) -> Callable[[], None]:
+    if w.device.type == "cuda":
+        from kvmove.copy_engine import cuda_copier
+
+        copy = cuda_copier().memcpy_async
+
+        def run() -> None:
+            stream = torch.cuda.current_stream(w.device).cuda_stream
+            for d, s in zip(dst, src, strict=True):
+                copy(d, s, size, 4, stream)  # cudaMemcpyDefault
+
+        return run
+    sizes = [size] * len(dst)
+
+    def run() -> None:  # the tightest Python loop of memmoves
+        deque(map(ctypes.memmove, dst, src, sizes), maxlen=0)
+
+    return run
+
+
+def memcpy_page(w: Workload, case: Case, max_calls: int) -> Method:
+    dst, src, size = _spans(w, case, "page", max_calls)
+    return _memcpy_loop(w, dst, src, size), len(dst) * size
+
+
+def memcpy_row(w: Workload, case: Case, max_calls: int) -> Method:
+    dst, src, size = _spans(w, case, "row", max_calls)
+    return _memcpy_loop(w, dst, src, size), len(dst) * size
+
+
+def cpu_rearrange(w: Workload, case: Case) -> Method:
+    """GPU: the KV rows of the case cross PCIe in bulk, the CPU does the rearranging."""
+    _, _, rows = w.indices(case.pages)
+    n = len(rows)
+    mirror = w.mirror()
+    kv = [w.kv_layer(layer)[:n] for layer in range(case.layers)]
+    host = [mirror[layer][:n] for layer in range(case.layers)]
+    st = [w.staging_layer(layer)[:n] for layer in range(case.layers)]
+    if case.direction == "gather":
+        def run() -> None:
+            for k, h in zip(kv, host, strict=True):
+                h.copy_(k, non_blocking=True)
+            torch.cuda.current_stream(w.device).synchronize()
+            for h, s in zip(host, st, strict=True):
+                torch.index_select(h, 0, rows, out=s)
+    else:
+        inverse = torch.empty_like(rows)
+        inverse[rows] = torch.arange(n)  # rows is a permutation of 0..n-1
+
+        def run() -> None:
+            for s, h in zip(st, host, strict=True):
+                torch.index_select(s, 0, inverse, out=h)
+            for h, k in zip(host, kv, strict=True):
+                k.copy_(h, non_blocking=True)
+    return run, case.nbytes
+
+
+BASELINES = ("bulk", "primitive", "memcpy_page", "memcpy_row", "cpu_rearrange")
+
+
+def build(name: str, w: Workload, case: Case, *, max_calls: int) -> Method | None:
+    """The baseline ``name`` for this case, or None where it does not apply here."""
+    cuda = w.device.type == "cuda"
+    if name == "bulk":
+        return bulk(w, case)
+    if name == "primitive":
+        return None if cuda else primitive(w, case)
+    if name == "memcpy_page":
+        return memcpy_page(w, case, max_calls)
+    if name == "memcpy_row":
+        return memcpy_row(w, case, max_calls)
+    if name == "cpu_rearrange":
+        return cpu_rearrange(w, case) if cuda else None
+    raise ValueError(f"unknown baseline {name!r}")

@@ -1,0 +1,55 @@
+"""The plot: GB/s against row size, one line per method, one panel per (direction, page
+size), at the largest page count of each point; the bulk copy (the ceiling) drawn as a
+dashed line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench.summary import LABELS, largest_cases, methods_of
+
+STYLE = {"bulk": {"color": "black", "linestyle": "--", "linewidth": 2, "marker": None}}
+
+
+def plot(data: dict, path: Path) -> Path:
+    records = largest_cases(data["kernels"])
+    directions = [d for d in ("gather", "scatter") if any(r["direction"] == d for r in records)]
+    tokens = sorted({r["page_tokens"] for r in records})
+    fig, axes = plt.subplots(len(directions), len(tokens), squeeze=False, sharey=True,
+                             figsize=(4.2 * len(tokens), 3.6 * len(directions)))
+    methods = methods_of(records, "kvmove") + methods_of(records, "baseline")
+    for i, d in enumerate(directions):
+        for j, pt in enumerate(tokens):
+            ax = axes[i][j]
+            rs = sorted((r for r in records if r["direction"] == d and r["page_tokens"] == pt),
+                        key=lambda r: r["row_bytes"])
+            for m in methods:
+                pts = [(r["row_bytes"], r["methods"][m]["gbps"]) for r in rs if m in r["methods"]]
+                if pts:
+                    x, y = zip(*pts, strict=True)
+                    style = STYLE.get(m, {"marker": "o"})
+                    ax.plot(x, y, label=LABELS.get(m, m), **style)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks([r["row_bytes"] for r in rs], [str(r["row_bytes"]) for r in rs])
+            ax.set_title(f"{d}, {pt}-token pages", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if i == len(directions) - 1:
+                ax.set_xlabel("row bytes")
+            if j == 0:
+                ax.set_ylabel("GB/s")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9)
+    machine = data["machine"]["title"]
+    layers = data["settings"]["layers"]
+    fig.suptitle(f"kvmove row copies on {machine} ({layers} layers; median GB/s)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

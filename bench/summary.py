@@ -1,0 +1,138 @@
+"""Ratios and headline figures from a results file: each kvmove figure over its baselines
+from the same run, and the figures the issue's targets name (reported, never asserted)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+LABELS = {
+    "triton": "triton (direct)",
+    "two_hop": "two-hop",
+    "torch": "torch",
+    "torch-unchecked": "torch, check=False",
+    "bulk": "bulk copy",
+    "primitive": "torch primitive",
+    "memcpy_page": "memcpy per page",
+    "memcpy_row": "memcpy per row",
+    "cpu_rearrange": "CPU rearrange",
+}
+PRIMITIVE = {"gather": "index_select", "scatter": "index_copy_"}
+ORDER = ("triton", "torch", "two_hop", "torch-unchecked", "bulk", "primitive", "memcpy_page",
+         "memcpy_row", "cpu_rearrange")
+
+
+def methods_of(records: list[dict], kind: str) -> list[str]:
+    """Method names of one kind ("kvmove" or "baseline") present in the records, in
+    display order."""
+    present = {n for r in records for n, m in r["methods"].items() if m["kind"] == kind}
+    return [n for n in ORDER if n in present] + sorted(present - set(ORDER))
+
+
+def ratio(record: dict, method: str, baseline: str) -> float | None:
+    m = record["methods"]
+    if method not in m or baseline not in m:
+        return None
+    return m[method]["gbps"] / m[baseline]["gbps"]
+
+
+def largest_cases(records: list[dict]) -> list[dict]:
+    """Per (direction, row bytes, page tokens), the record with the most pages."""
+    best: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["direction"], r["row_bytes"], r["page_tokens"])
+        if key not in best or r["pages"] > best[key]["pages"]:
+            best[key] = r
+    return [best[k] for k in sorted(best)]
+
+
+@dataclass
+class RatioStats:
+    direction: str
+    method: str
+    baseline: str
+    median: float
+    low: float
+    high: float
+    cases: int
+
+
+def ratio_stats(records: list[dict]) -> list[RatioStats]:
+    """For each direction, kvmove method and baseline: the median, min and max ratio over
+    all cases."""
+    out = []
+    for direction in ("gather", "scatter"):
+        rs = [r for r in records if r["direction"] == direction]
+        for method in methods_of(rs, "kvmove"):
+            for baseline in methods_of(rs, "baseline"):
+                values = [v for r in rs if (v := ratio(r, method, baseline)) is not None]
+                if values:
+                    out.append(RatioStats(direction, method, baseline, statistics.median(values),
+                                          min(values), max(values), len(values)))
+    return out
+
+
+@dataclass
+class Headline:
+    text: str
+    value: float | None
+    target: float | None = None  # None: a fact to show, not a target
+
+    @property
+    def met(self) -> bool | None:
+        if self.target is None or self.value is None:
+            return None
+        return self.value >= self.target
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratios(records, direction, method, baseline, **where) -> list[float]:
+    return [v for r in records
+            if r["direction"] == direction and all(r[k] == x for k, x in where.items())
+            if (v := ratio(r, method, baseline)) is not None]
+
+
+def headlines(data: dict) -> list[Headline]:
+    """The figures the targets speak of, computed from this run."""
+    records = data["kernels"]
+    gpu = data["machine"].get("gpu") is not None
+    out: list[Headline] = []
+    if not gpu:
+        for d in ("gather", "scatter"):
+            v = _ratios(records, d, "torch", "primitive")
+            out.append(Headline(f"torch {d} vs a plain per-layer {PRIMITIVE[d]} (median of "
+                                f"{len(v)} cases, {min(v, default=0):.2f}-"
+                                f"{max(v, default=0):.2f}x)", _median(v), 0.9))
+        for d in ("gather", "scatter"):
+            v = _ratios(records, d, "torch", "memcpy_row", row_bytes=656)
+            out.append(Headline(f"torch {d} vs memcpy per row, 656-byte rows (median of "
+                                f"{len(v)} cases)", _median(v), 10.0))
+        for rb in sorted({r["row_bytes"] for r in records}):
+            for d in ("gather", "scatter"):
+                v = _ratios(records, d, "torch", "bulk", row_bytes=rb)
+                if v:
+                    out.append(Headline(f"torch {d} vs bulk copy, {rb}-byte rows (median)",
+                                        _median(v)))
+        return out
+    direct = "triton"
+    for d, base, target in (("gather", "bulk", 0.9), ("scatter", "bulk", 0.85)):
+        v = _ratios(records, d, direct, base, row_bytes=656, page_tokens=64)
+        out.append(Headline(f"direct {d} vs bulk {'D2H' if d == 'gather' else 'H2D'}, "
+                            f"656-byte rows, 64-token pages", _median(v), target))
+    for base, target in (("memcpy_page", 10.0), ("cpu_rearrange", 2.0)):
+        for d in ("gather", "scatter"):
+            v = _ratios(records, d, direct, base, row_bytes=656, page_tokens=64)
+            out.append(Headline(f"direct {d} vs {LABELS[base]}, 656-byte rows, 64-token pages",
+                                _median(v), target))
+    for d in ("gather", "scatter"):
+        v = _ratios(records, d, "two_hop", direct)
+        out.append(Headline(f"two-hop {d} vs direct (median over all cases; > 1: two-hop "
+                            f"faster)", _median(v)))
+    return out
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"

@@ -1,0 +1,58 @@
+"""The printed tables (rich): every kvmove figure next to its baselines from the same run,
+as GB/s and as a ratio; then the ratio summary and the headline figures."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.summary import LABELS, fmt_ratio, headlines, methods_of, ratio, ratio_stats
+
+
+def kernel_table(records: list[dict], direction: str, title: str) -> Table:
+    rs = [r for r in records if r["direction"] == direction]
+    base = methods_of(rs, "baseline")
+    table = Table(title=title, title_justify="left")
+    for col in ("row B", "tokens", "pages", "MiB", "method", "GB/s"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for b in base:
+        table.add_column(f"vs {LABELS.get(b, b)}\n(its GB/s)", justify="right")
+    for r in rs:
+        for i, m in enumerate(methods_of([r], "kvmove")):
+            cells = [str(r["row_bytes"]), str(r["page_tokens"]), str(r["pages"]),
+                     f"{r['bytes'] / 2**20:.1f}"] if i == 0 else ["", "", "", ""]
+            cells += [LABELS.get(m, m), f"{r['methods'][m]['gbps']:.2f}"]
+            for b in base:
+                v = ratio(r, m, b)
+                cells.append("-" if v is None else
+                             f"{v:.2f}x ({r['methods'][b]['gbps']:.2f})")
+            table.add_row(*cells, end_section=i == len(methods_of([r], "kvmove")) - 1)
+    return table
+
+
+def summary_table(records: list[dict]) -> Table:
+    table = Table(title="ratios over all cases (kvmove GB/s / baseline GB/s)",
+                  title_justify="left")
+    for col in ("direction", "method", "against", "median", "min", "max", "cases"):
+        table.add_column(col, justify="right" if col in ("median", "min", "max", "cases")
+                         else "left")
+    for s in ratio_stats(records):
+        table.add_row(s.direction, LABELS.get(s.method, s.method),
+                      LABELS.get(s.baseline, s.baseline), fmt_ratio(s.median),
+                      fmt_ratio(s.low), fmt_ratio(s.high), str(s.cases))
+    return table
+
+
+def print_all(data: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    records = data["kernels"]
+    who = data["machine"]["title"]
+    for direction, arrow in (("gather", "KV -> staging"), ("scatter", "staging -> KV")):
+        if any(r["direction"] == direction for r in records):
+            console.print(kernel_table(records, direction, f"{direction} ({arrow}) on {who}"))
+    if records:
+        console.print(summary_table(records))
+    for h in headlines(data):
+        mark = {True: "[green]met[/]", False: "[red]missed[/]", None: ""}[h.met]
+        target = f" (target >= {h.target:g}x) {mark}" if h.target is not None else ""
+        console.print(f"  {h.text}: [bold]{fmt_ratio(h.value)}[/]{target}")

@@ -1,0 +1,58 @@
+"""End-to-end object checksums: a 64-bit fingerprint of a staged page, computed on the host
+from the staging bytes after the gather and stored as the object's 8-byte trailer; checked
+after a get, before any byte is scattered into the KV cache.
+
+The fingerprint is ``sum_l M^(L-1-l) * sum_j w_l[j] * byte_l[j]`` modulo 2^64 over the
+page's spans in object order, with odd pseudo-random weights (so that any single changed byte
+always changes it, and swapped spans almost surely do). Vectorised over pages; the Python
+loop runs over (buffer, layer) spans only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmove.staging import StagingBuffer
+
+TRAILER_BYTES = 8
+_MIX = 0x9E3779B97F4A7C15 - 2**64  # an odd 64-bit constant, as a signed int64
+
+
+class PageChecksum:
+    """Computes the fingerprints of pages held in a staging buffer."""
+
+    def __init__(self, staging: StagingBuffer, seed: int = 0x6B766D76):
+        self.staging = staging
+        g = torch.Generator().manual_seed(seed)
+        # One weight vector per buffer (odd int64s), and a per-layer salt mixed in.
+        self._weights = {
+            name: torch.randint(0, 2**31, (staging.page_bytes(name),), generator=g,
+                                dtype=torch.int64) * 2 + 1
+            for name in staging.buffer_names
+        }
+
+    def compute(self, slots: torch.Tensor, valid_tokens: torch.Tensor) -> torch.Tensor:
+        """int64 ``[n]`` fingerprints of the pages in ``slots`` (``valid_tokens`` rows each)."""
+        slots = slots.to(torch.int64).cpu()
+        valid = valid_tokens.to(torch.int64).cpu()
+        total = torch.zeros(slots.numel(), dtype=torch.int64)
+        for name in self.staging.buffer_names:
+            staged = self.staging.tensor(name)
+            weights = self._weights[name]
+            cols = torch.arange(weights.numel())
+            keep = cols[None, :] < (valid * self.staging.row_bytes(name))[:, None]
+            masked = torch.where(keep, weights[None, :], torch.zeros((), dtype=torch.int64))
+            for layer in range(staged.shape[0]):
+                page = staged[layer].index_select(0, slots).to(torch.int64)
+                total = total * _MIX + (page * masked).sum(dim=1) + (layer + 1)
+        return total
+
+    def write(self, slots: torch.Tensor, valid_tokens: torch.Tensor) -> None:
+        """Store the fingerprints in the slots' trailers."""
+        trailer = self.staging.trailer
+        trailer[slots.cpu()] = self.compute(slots, valid_tokens).view(torch.uint8).view(-1, 8)
+
+    def matches(self, slots: torch.Tensor, valid_tokens: torch.Tensor) -> torch.Tensor:
+        """bool ``[n]``: the pages' bytes match the fingerprints in their trailers."""
+        stored = self.staging.trailer[slots.cpu()].contiguous().view(torch.int64).view(-1)
+        return self.compute(slots, valid_tokens) == stored

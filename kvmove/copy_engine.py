@@ -1,0 +1,187 @@
+"""Copy-engine span copies: many ``(dst, src, nbytes)`` byte spans enqueued in one go.
+
+On CUDA the spans go to the copy engines on the current stream of the given device: one
+``cuMemcpyBatchAsync`` call per batch where the driver has it (CUDA >= 12.8) and the stream
+is not the legacy default stream (which that call refuses), else one ``cudaMemcpyAsync``
+per span. Addresses are the ones the device uses (UVA addresses of pinned host memory);
+the direction of each copy follows from them (``cudaMemcpyDefault``). On the CPU each span
+is a ``memmove``. Spans of one call must not overlap.
+
+``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span copies only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_BATCH = "KVMOVE_COPY_BATCH"
+MAX_BATCH = 8192  # spans per cuMemcpyBatchAsync call
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+_LOCATION_HOST = 2  # CU_MEM_LOCATION_TYPE_HOST
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (CUDA 12.8 and 13)."""
+
+    _fields_ = (
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    )
+
+
+def _load(names: tuple[str, ...]) -> ctypes.CDLL:
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError(f"none of {names} could be loaded")
+
+
+def _batch_entry(libcuda: ctypes.CDLL):
+    """``(function, takes_fail_idx)`` for ``cuMemcpyBatchAsync`` in the revision that matches
+    the driver (13.0 dropped the ``failIdx`` argument), or None when the driver predates it."""
+    version = ctypes.c_int()
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
+        return None
+    wanted = 13000 if version.value >= 13000 else 12080
+    fn = ctypes.c_void_p()
+    status = ctypes.c_int()
+    get = getattr(libcuda, "cuGetProcAddress_v2", None)
+    if get is not None:
+        get.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                        ctypes.c_uint64, ctypes.POINTER(ctypes.c_int))
+        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(fn), wanted, 0, ctypes.byref(status))
+    else:
+        get = libcuda.cuGetProcAddress
+        get.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                        ctypes.c_uint64)
+        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(fn), wanted, 0)
+    if rc != 0 or not fn.value:
+        return None
+    vp, size = ctypes.c_void_p, ctypes.c_size_t
+    if wanted >= 13000:  # (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, size, vp, vp, size, vp)
+        return proto(fn.value), False
+    # 12.8: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, stream)
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, size, vp, vp, size, vp, vp)
+    return proto(fn.value), True
+
+
+class CudaCopier:
+    """The CUDA runtime/driver entry points for span copies, loaded once."""
+
+    def __init__(self):
+        cudart = _load(("libcudart.so.13", "libcudart.so.12", "libcudart.so"))
+        self.memcpy_async = cudart.cudaMemcpyAsync
+        self.memcpy_async.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.c_int, ctypes.c_void_p)
+        self.memcpy_async.restype = ctypes.c_int
+        try:
+            self._batch = _batch_entry(_load(("libcuda.so.1", "libcuda.so")))
+        except (RuntimeError, AttributeError) as e:
+            log.info("cuMemcpyBatchAsync unavailable (%s); using per-span copies", e)
+            self._batch = None
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def per_span(self, dsts: list, srcs: list, sizes: list, stream: int) -> int:
+        copy = self.memcpy_async
+        for d, s, n in zip(dsts, srcs, sizes, strict=True):
+            rc = copy(d, s, n, _MEMCPY_DEFAULT, stream)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpyAsync({d:#x} <- {s:#x}, {n} B) failed: error {rc}")
+        return len(dsts)
+
+    def batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+              src_location: tuple[int, int], dst_location: tuple[int, int]) -> bool:
+        """One batched call per ``MAX_BATCH`` spans; False (nothing to trust) if refused."""
+        fn, takes_fail_idx = self._batch
+        attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(*src_location),
+                                  _MemLocation(*dst_location), 0)
+        zero = (ctypes.c_size_t * 1)(0)
+        fail = ctypes.c_size_t(0)
+        for start in range(0, len(dsts), MAX_BATCH):
+            d = np.ascontiguousarray(dsts[start:start + MAX_BATCH], dtype=np.uint64)
+            s = np.ascontiguousarray(srcs[start:start + MAX_BATCH], dtype=np.uint64)
+            n = np.ascontiguousarray(sizes[start:start + MAX_BATCH], dtype=np.uint64)
+            args = [d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d),
+                    ctypes.addressof(attrs), ctypes.addressof(zero), 1]
+            if takes_fail_idx:
+                args.append(ctypes.addressof(fail))
+            rc = fn(*args, stream)
+            if rc != 0:
+                log.warning("cuMemcpyBatchAsync failed (error %d at span %d); falling back to "
+                            "per-span cudaMemcpyAsync", rc, start + fail.value)
+                self._batch = None
+                return False
+        return True
+
+
+_copier: CudaCopier | None = None
+_copier_lock = threading.Lock()
+
+
+def cuda_copier() -> CudaCopier:
+    global _copier
+    with _copier_lock:
+        if _copier is None:
+            _copier = CudaCopier()
+        return _copier
+
+
+def batch_enabled() -> bool:
+    return os.environ.get(ENV_BATCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def copy_spans(dsts, srcs, sizes, *, device: torch.device, src_on_device: bool = False,
+               dst_on_device: bool = False, batch: bool | None = None) -> int:
+    """Copy ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for every ``i``.
+
+    On CUDA (``device``), enqueue on the current stream of ``device``: batched where
+    possible (``batch`` None follows ``KVMOVE_COPY_BATCH``; False forces per-span copies);
+    ``src_on_device``/``dst_on_device`` are location hints. On the CPU, ``memmove`` each
+    span at once. Returns the number of copy calls issued (one per batch or per span).
+    """
+    dsts = np.asarray(dsts, dtype=np.int64).reshape(-1)
+    srcs = np.asarray(srcs, dtype=np.int64).reshape(-1)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    if not len(dsts) == len(srcs) == len(sizes):
+        raise ValueError(f"span lists differ in length: {len(dsts)}, {len(srcs)}, {len(sizes)}")
+    if len(dsts) == 0:
+        return 0
+    if device.type != "cuda":
+        move = ctypes.memmove
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            move(d, s, n)
+        return len(dsts)
+    copier = cuda_copier()
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        use_batch = batch_enabled() if batch is None else batch
+        if use_batch and copier.has_batch and stream != 0 and len(dsts) > 1:
+            here = (_LOCATION_DEVICE, device.index or 0)
+            there = (_LOCATION_HOST, 0)
+            if copier.batch(dsts, srcs, sizes, stream, here if src_on_device else there,
+                            here if dst_on_device else there):
+                return -(-len(dsts) // MAX_BATCH)
+        return copier.per_span(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)

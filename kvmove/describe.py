@@ -1,0 +1,360 @@
+"""Per-key multi-buffer descriptors of layer-first staging slots.
+
+One store key is one page. Its object is, in the cache's buffer declaration order, for each
+layer in ascending order, the page's first ``valid_tokens`` rows (DESIGN.md, "The canonical
+object"). In a layer-first staging buffer ``[L, num_slots, page_tokens * row_bytes]`` that is
+one span per (buffer, layer), at
+
+    tensor(name).data_ptr() + layer * layer_pitch + slot * slot_pitch
+
+of ``valid_tokens * row_bytes`` bytes. :func:`describe` computes every span of every key with
+numpy arithmetic on a ``[keys, spans]`` array and converts it with one ``tolist()``: the
+conversion to Python ints that Mooncake's API needs is the floor of the cost, and nothing
+loops in Python over (page, layer). Spans that touch in memory inside one buffer (one staging
+slot, full pages) are merged: fewer spans, the same bytes. Spans of different buffers are
+never merged, even where two allocations happen to be adjacent, because each buffer is its
+own registered memory region.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvmove.indices import as_int_array
+
+__all__ = ["Descriptors", "check_keys", "describe"]
+
+
+class Descriptors:
+    """Multi-buffer descriptors of a batch of keys, in Mooncake's
+    ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` form.
+
+    - ``keys[i]``: the store key of object ``i``;
+    - ``ptrs[i]`` / ``sizes[i]``: the addresses and byte counts of its spans, in object
+      order (Mooncake concatenates them into one object on put and splits the object over
+      them on get);
+    - ``nbytes(i)``: the object size, ``sum(sizes[i])``; ``total_bytes``: of all keys;
+    - ``regions``: the ``(address, nbytes)`` memory regions the spans live in, and
+      ``staging``: the staging buffer they belong to (``None`` when built from lists), so
+      that a store can register that memory, and forget it when the staging is gone.
+
+    Treat the lists as read-only: :func:`describe` gives keys of the same page length one
+    shared ``sizes`` list (``desc.sizes[0] is desc.sizes[1]``). Build one with
+    :func:`describe`, or directly from lists (which validates them).
+    """
+
+    __slots__ = ("_nbytes", "keys", "ptrs", "regions", "sizes", "staging")
+
+    keys: list[str]
+    ptrs: list[list[int]]
+    sizes: list[list[int]]
+    regions: tuple[tuple[int, int], ...]
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        regions: Sequence[tuple[int, int]] = (),
+    ):
+        keys = check_keys(keys)
+        if len(ptrs) != len(keys) or len(sizes) != len(keys):
+            raise ValueError(
+                f"ptrs ({len(ptrs)}) and sizes ({len(sizes)}) must have one entry per key "
+                f"({len(keys)} keys)"
+            )
+        ptrs = [[int(p) for p in row] for row in ptrs]
+        sizes = [[int(s) for s in row] for row in sizes]
+        for i, (p, s) in enumerate(zip(ptrs, sizes, strict=True)):
+            if not p or len(p) != len(s):
+                raise ValueError(
+                    f"key {keys[i]!r}: ptrs[{i}] has {len(p)} spans and sizes[{i}] has "
+                    f"{len(s)}; they must be equal and non-zero"
+                )
+            if min(s) <= 0:
+                raise ValueError(f"key {keys[i]!r}: span sizes must be positive, got {s}")
+            if min(p) <= 0:
+                raise ValueError(f"key {keys[i]!r}: span addresses must be positive, got {p}")
+        self.keys, self.ptrs, self.sizes = keys, ptrs, sizes
+        self._nbytes = np.array([sum(s) for s in sizes], dtype=np.int64)
+        self.regions = tuple((int(a), int(n)) for a, n in regions)
+        self.staging = None
+
+    @classmethod
+    def _trusted(cls, keys, ptrs, sizes, nbytes: np.ndarray, regions, staging) -> Descriptors:
+        """Wrap lists that :func:`describe` (or a slice) already validated."""
+        self = object.__new__(cls)
+        self.keys, self.ptrs, self.sizes = keys, ptrs, sizes
+        self._nbytes = nbytes
+        self.regions = regions
+        self.staging = staging
+        return self
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def nbytes(self, i: int) -> int:
+        """The object size of key ``i`` in bytes (the sum of its span sizes)."""
+        return int(self._nbytes[i])
+
+    @property
+    def total_bytes(self) -> int:
+        """The bytes of all objects together."""
+        return int(self._nbytes.sum())
+
+    @property
+    def num_spans(self) -> int:
+        """The number of spans of all keys together (Mooncake's per-span cost)."""
+        return sum(map(len, self.ptrs))
+
+    def object_sizes(self) -> list[int]:
+        """``nbytes(i)`` of every key, as a list."""
+        return self._nbytes.tolist()
+
+    def __getitem__(self, index: slice) -> Descriptors:
+        """The descriptors of a contiguous range of keys (``desc[a:b]``)."""
+        if not isinstance(index, slice):
+            raise TypeError(f"Descriptors index must be a slice, got {type(index).__name__}")
+        return Descriptors._trusted(
+            self.keys[index], self.ptrs[index], self.sizes[index], self._nbytes[index],
+            self.regions, self.staging,
+        )
+
+    def select(self, indices: Sequence[int]) -> Descriptors:
+        """The descriptors of keys ``indices`` (in that order)."""
+        idx = list(indices)
+        return Descriptors._trusted(
+            [self.keys[i] for i in idx],
+            [self.ptrs[i] for i in idx],
+            [self.sizes[i] for i in idx],
+            self._nbytes[np.asarray(idx, dtype=np.int64)] if idx else self._nbytes[:0],
+            self.regions, self.staging,
+        )
+
+    def __iter__(self) -> Iterator[tuple[str, list[int], list[int]]]:
+        """``(key, ptrs, sizes)`` of each key."""
+        return iter(zip(self.keys, self.ptrs, self.sizes, strict=True))
+
+    def __repr__(self) -> str:
+        return (
+            f"Descriptors({len(self)} keys, {self.num_spans} spans, "
+            f"{self.total_bytes / 2**20:.2f} MiB)"
+        )
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def check_keys(keys: Sequence[str], name: str = "keys", *, unique: bool = True) -> list[str]:
+    """``keys`` as a new list, after checking that it is a sequence of non-empty ``str``
+    (and, with ``unique``, that no key repeats). Raises ``TypeError`` / ``ValueError``
+    naming ``name`` and the offending key."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"{name} must be a sequence of str, got {type(keys).__name__}"
+            + (" (wrap a single key in a list)" if isinstance(keys, str) else "")
+        )
+    keys = list(keys)
+    if set(map(type, keys)) - {str}:
+        for i, k in enumerate(keys):
+            if not isinstance(k, str):
+                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}")
+    distinct = set(keys)
+    if "" in distinct:
+        raise ValueError(f"{name}[{keys.index('')}] is an empty string; keys must be non-empty")
+    if unique and len(distinct) != len(keys):
+        seen: set[str] = set()
+        for i, k in enumerate(keys):
+            if k in seen:
+                raise ValueError(f"{name}[{i}] = {k!r} repeats an earlier key; keys must be unique")
+            seen.add(k)
+    return keys
+
+
+def _check_slots(slots, n: int, num_slots: int) -> np.ndarray:
+    arr = as_int_array(slots, "slots")
+    if arr.size != n:
+        raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
+    if n:
+        bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
+        if bad.size:
+            i = int(bad[0])
+            raise IndexError(
+                f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
+                f"({bad.size} slot(s) out of range)"
+            )
+    return arr
+
+
+def _check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
+    """One int64 ``valid_tokens`` per key."""
+    if valid_tokens is None:
+        return np.full(n, page_tokens, dtype=np.int64)
+    if isinstance(valid_tokens, (bool, float, np.bool_, np.floating)):
+        raise TypeError(f"valid_tokens must be an int or one int per key, got {valid_tokens!r}")
+    if isinstance(valid_tokens, (int, np.integer)) or (
+        isinstance(valid_tokens, torch.Tensor) and valid_tokens.dim() == 0
+    ):
+        if isinstance(valid_tokens, torch.Tensor) and (
+            valid_tokens.is_floating_point() or valid_tokens.dtype == torch.bool
+        ):
+            raise TypeError(f"valid_tokens must be an int, got a {valid_tokens.dtype} tensor")
+        v = int(valid_tokens)
+        if not 1 <= v <= page_tokens:
+            raise ValueError(f"valid_tokens = {v} is outside 1..{page_tokens} (page_tokens)")
+        return np.full(n, v, dtype=np.int64)
+    arr = as_int_array(valid_tokens, "valid_tokens")
+    if arr.size != n:
+        raise ValueError(f"valid_tokens has {arr.size} entries for {n} keys; give one per key")
+    if n:
+        bad = np.flatnonzero((arr < 1) | (arr > page_tokens))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"valid_tokens[{i}] = {int(arr[i])} is outside 1..{page_tokens} (page_tokens)"
+            )
+    return arr
+
+
+# -- the span table ---------------------------------------------------------------------------
+
+
+class _Columns:
+    """Per span column (one per (buffer, layer), canonical order): the address of slot 0,
+    the slot pitch, the row bytes and the buffer index."""
+
+    def __init__(self, staging):
+        offs, pitches, rows, bufs = [], [], [], []
+        page_tokens, num_slots = staging.page_tokens, staging.num_slots
+        for b, name in enumerate(staging.buffer_names):
+            t = staging.tensor(name)
+            layers, row_bytes = staging.num_layers(name), staging.row_bytes(name)
+            shape = (layers, num_slots, page_tokens * row_bytes)
+            if t.dtype != torch.uint8 or tuple(t.shape) != shape or t.stride(2) != 1:
+                raise ValueError(
+                    f"staging buffer {name!r}: expected a uint8 tensor of shape {shape} with "
+                    f"contiguous pages, got {t.dtype} {tuple(t.shape)} stride {t.stride()}"
+                )
+            offs.append(t.data_ptr() + np.arange(layers, dtype=np.int64) * t.stride(0))
+            pitches.append(np.full(layers, t.stride(1), dtype=np.int64))
+            rows.append(np.full(layers, row_bytes, dtype=np.int64))
+            bufs.append(np.full(layers, b, dtype=np.int64))
+        self.offset = np.concatenate(offs)
+        self.slot_pitch = np.concatenate(pitches)
+        self.row_bytes = np.concatenate(rows)
+        self.buffer = np.concatenate(bufs)
+        self.same_buffer = self.buffer[:-1] == self.buffer[1:]
+        self.bytes_per_token = int(self.row_bytes.sum())
+        pitches = np.unique(self.slot_pitch)
+        self.uniform_pitch = int(pitches[0]) if pitches.size == 1 else None
+        self.where: tuple[int, ...] = ()
+        self._starts: dict[int, np.ndarray | None] = {}
+
+    def addresses(self, slot_ids: np.ndarray) -> np.ndarray:
+        """int64 ``[n, spans]``: the address of every span of the pages in ``slot_ids``."""
+        if self.uniform_pitch is not None:  # one buffer, or buffers of one page size
+            return np.add.outer(slot_ids * self.uniform_pitch, self.offset)
+        ptrs = np.multiply.outer(slot_ids, self.slot_pitch)
+        ptrs += self.offset
+        return ptrs
+
+    def starts(self, valid_tokens: int) -> np.ndarray | None:
+        """Columns that start a merged span for keys with ``valid_tokens``, or ``None``
+        when no two spans touch. Within one buffer the slot terms of two spans' addresses
+        are equal, so whether span j ends where span j+1 starts does not depend on the
+        slot."""
+        if valid_tokens not in self._starts:
+            touch = self.same_buffer & (
+                self.offset[:-1] + valid_tokens * self.row_bytes[:-1] == self.offset[1:]
+            )
+            self._starts[valid_tokens] = (
+                np.flatnonzero(np.concatenate(([True], ~touch))) if touch.any() else None
+            )
+        return self._starts[valid_tokens]
+
+
+_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _columns(staging) -> _Columns:
+    """The span columns of ``staging``, cached while its tensors stay where they are."""
+    where = tuple(staging.tensor(name).data_ptr() for name in staging.buffer_names)
+    try:
+        cached = _COLUMNS.get(staging)
+    except TypeError:  # not weak-referenceable: no cache
+        return _Columns(staging)
+    if cached is None or cached.where != where:
+        cached = _Columns(staging)
+        cached.where = where
+        _COLUMNS[staging] = cached
+    return cached
+
+
+def describe(staging, slots, keys: Sequence[str], *, valid_tokens=None) -> Descriptors:
+    """Descriptors of the pages in staging ``slots``, one store object per key.
+
+    ``staging``: a :class:`kvmove.StagingBuffer` (anything with its geometry attributes and
+    ``tensor(name)``). ``slots``: one staging slot per key (int tensor, array or list); a
+    slot may repeat (one page under two keys), though a get into a repeated slot keeps
+    whichever object lands last.
+    ``keys``: distinct, non-empty ``str``. ``valid_tokens``: ``None`` (whole pages), an int,
+    or one int per key, each in ``1..page_tokens``; a partial page stores its first
+    ``valid_tokens`` rows of every layer.
+
+    Spans are in canonical object order: buffers in declaration order, layers ascending,
+    each ``valid_tokens * row_bytes`` bytes; spans that touch in memory inside one buffer
+    are merged. Raises ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument
+    and the bad value; nothing is described then.
+    """
+    keys = check_keys(keys)
+    n = len(keys)
+    slot_ids = _check_slots(slots, n, staging.num_slots)
+    vt = _check_valid_tokens(valid_tokens, n, staging.page_tokens)
+    regions = tuple(staging.regions()) if hasattr(staging, "regions") else ()
+    if n == 0:
+        return Descriptors._trusted([], [], [], np.zeros(0, dtype=np.int64), regions, staging)
+    cols = _columns(staging)
+    nbytes = vt * cols.bytes_per_token
+
+    if vt.min() == vt.max():  # one page length for all keys: the common case
+        values, group_of = vt[:1], None
+    else:
+        values, group_of = np.unique(vt, return_inverse=True)
+    starts = [cols.starts(int(v)) for v in values]
+    ptrs = cols.addresses(slot_ids)
+
+    if all(s is None for s in starts):
+        size_rows = [(int(v) * cols.row_bytes).tolist() for v in values]
+        ptr_lists = ptrs.tolist()
+    else:
+        size_rows, ptr_lists = _merged(ptrs, values, group_of, starts, cols)
+    # Keys of one page length share one sizes list (read-only): copying it per key would
+    # cost a third of the whole build.
+    if group_of is None:
+        sizes = [size_rows[0]] * n
+    else:
+        sizes = list(map(size_rows.__getitem__, group_of.tolist()))
+    return Descriptors._trusted(keys, ptr_lists, sizes, nbytes, regions, staging)
+
+
+def _merged(ptrs: np.ndarray, values, group_of, starts, cols: _Columns):
+    """Span lists where some spans touch: per distinct ``valid_tokens`` the merged columns
+    (one ``tolist()`` per group; groups are few, one per distinct page length)."""
+    n = ptrs.shape[0]
+    size_rows, ptr_lists = [], [None] * n
+    for g, (v, start) in enumerate(zip(values, starts, strict=True)):
+        size = int(v) * cols.row_bytes
+        if start is None:
+            start = np.arange(size.size)
+        size_rows.append(np.add.reduceat(size, start).tolist())
+        if group_of is None:
+            return size_rows, ptrs[:, start].tolist()
+        members = np.flatnonzero(group_of == g)
+        for i, row in zip(members.tolist(), ptrs[members][:, start].tolist(), strict=True):
+            ptr_lists[i] = row
+    return size_rows, ptr_lists

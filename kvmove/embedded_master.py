@@ -1,0 +1,371 @@
+"""``EmbeddedMaster``: a private ``mooncake_master`` child process on free loopback ports.
+
+For laptops, CI and tests: :meth:`kvmove.MooncakeStore.embedded` starts one and stops it on
+``close()``. The master is started from an argv list (never a shell), binds the loopback
+address only (RPC and metrics), writes its log to a temporary file whose tail is quoted in
+every error, and is ready when its RPC port accepts connections *and* that listening socket
+belongs to the child (a port taken by someone else in between is retried on new ports).
+
+It never outlives its parent:
+
+- ``stop()`` (also from ``close()``, the context manager, garbage collection and interpreter
+  exit, via :func:`weakref.finalize`) sends ``SIGTERM``, then ``SIGKILL`` after a grace time;
+- on Linux the child asks for ``SIGKILL`` when its parent dies (``PR_SET_PDEATHSIG``), so a
+  test process killed with ``SIGKILL`` leaves no orphan master behind. That signal fires when
+  the *thread* that forked the child exits, so every master is spawned by one long-lived
+  daemon thread of this module (the "spawner"), never by the caller's thread, which may be a
+  short-lived worker. Daemon threads are not joined at interpreter exit, so the spawner lives
+  exactly as long as the process;
+- the child runs in its own session, so a terminal's Ctrl-C reaches only the Python process,
+  which then closes its stores before it stops the master.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+from kvmove.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EmbeddedMaster", "find_master_binary", "tcp_reachable"]
+
+BINARY_ENV = "KVMOVE_MOONCAKE_MASTER"  # explicit path to a mooncake_master binary
+_PR_SET_PDEATHSIG = 1
+_PORT_ATTEMPTS = 3
+
+
+def find_master_binary() -> str:
+    """The ``mooncake_master`` to run: ``$KVMOVE_MOONCAKE_MASTER``, else the binary inside
+    the installed ``mooncake`` wheel, else one next to ``sys.executable``, else one on
+    ``PATH``. Raises :class:`kvmove.StoreError` listing where it looked."""
+    looked = []
+    explicit = os.environ.get(BINARY_ENV)
+    if explicit:
+        if os.access(explicit, os.X_OK):
+            return explicit
+        raise StoreError(f"{BINARY_ENV}={explicit!r} is not an executable file")
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / "mooncake_master"
+            looked.append(str(path))
+            if path.is_file():
+                if not os.access(path, os.X_OK):  # wheels may drop the mode bit
+                    with contextlib.suppress(OSError):
+                        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+                if os.access(path, os.X_OK):
+                    return str(path)
+    beside = Path(sys.executable).parent / "mooncake_master"
+    looked.append(str(beside))
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    on_path = shutil.which("mooncake_master")
+    looked.append("$PATH")
+    if on_path:
+        return on_path
+    raise StoreError(
+        "mooncake_master not found (looked in: " + ", ".join(looked) + "); install "
+        "mooncake-transfer-engine (or -non-cuda) or set " + BINARY_ENV
+    )
+
+
+# -- spawning -----------------------------------------------------------------------------
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn`` for the child: SIGKILL when the spawning thread dies. It only calls
+    a function bound before the fork, and exits when the parent is already gone."""
+    prctl = _PRCTL
+
+    def preexec():
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _Spawner:
+    """One daemon thread that forks every master (see the module docstring)."""
+
+    _lock = threading.Lock()
+    _requests: queue.SimpleQueue | None = None
+
+    @classmethod
+    def popen(cls, argv: list[str], **kwargs) -> subprocess.Popen:
+        with cls._lock:
+            if cls._requests is None:
+                cls._requests = queue.SimpleQueue()
+                threading.Thread(
+                    target=cls._serve, args=(cls._requests,), name="kvmove-master-spawner",
+                    daemon=True,
+                ).start()
+        done: Future = Future()
+        cls._requests.put((argv, kwargs, done))
+        return done.result()
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue) -> None:
+        while True:
+            argv, kwargs, done = requests.get()
+            try:
+                done.set_result(subprocess.Popen(argv, **kwargs))
+            except BaseException as e:  # handed to the caller
+                done.set_exception(e)
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct free TCP ports on ``host`` (held open together while chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _listener_owner(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (``None`` when
+    this system cannot tell, e.g. no ``/proc``)."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):
+                continue
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if (cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port
+                            and cols[9] in inodes):
+                        return True
+        return False
+    except OSError:
+        return None
+
+
+def tcp_reachable(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _stop_process(proc: subprocess.Popen, log_path: str, keep_log: bool, grace: float) -> None:
+    """Terminate, then kill, ``proc``; remove its log unless ``keep_log``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("mooncake_master pid %d ignored SIGTERM for %.1fs; killing it",
+                        proc.pid, grace)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    if not keep_log:
+        with contextlib.suppress(OSError):
+            os.unlink(log_path)
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"(log {path} unreadable: {e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class EmbeddedMaster:
+    """A ``mooncake_master`` child process listening on free loopback ports.
+
+    ``kv_lease_ttl_ms``: how long a read leases an object against removal (Mooncake's
+    ``--default_kv_lease_ttl``, 10 s by default). ``extra_args``: more ``--flag=value``
+    arguments. ``start_timeout``: seconds to wait for the RPC port. ``keep_log``: keep the
+    log file after a clean stop (it is always kept when the start fails).
+
+    ``address`` is the ``host:port`` to give a client as its master address.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_lease_ttl_ms: int | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 15.0,
+        stop_timeout: float = 5.0,
+        keep_log: bool = False,
+        binary: str | None = None,
+        host: str = "127.0.0.1",
+    ):
+        if kv_lease_ttl_ms is not None and (
+            isinstance(kv_lease_ttl_ms, bool) or not isinstance(kv_lease_ttl_ms, int)
+            or kv_lease_ttl_ms <= 0
+        ):
+            raise ValueError(f"kv_lease_ttl_ms must be a positive int, got {kv_lease_ttl_ms!r}")
+        if isinstance(extra_args, str) or not all(isinstance(a, str) for a in extra_args):
+            raise TypeError(f"extra_args must be a sequence of str, got {extra_args!r}")
+        self.host = host
+        self.binary = binary or find_master_binary()
+        self.stop_timeout = stop_timeout
+        self.start_timeout = start_timeout
+        self.keep_log = keep_log
+        fd, self.log_path = tempfile.mkstemp(prefix="kvmove-mooncake-master-", suffix=".log")
+        os.close(fd)
+        self._proc: subprocess.Popen | None = None
+        self._finalizer = None
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self.rpc_port, self.metrics_port = _free_ports(host, 2)
+            argv = [
+                self.binary,
+                f"--rpc_port={self.rpc_port}",
+                f"--rpc_address={host}",
+                f"--metrics_port={self.metrics_port}",
+                f"--metrics_host={host}",
+                "--logtostderr",
+            ]
+            if kv_lease_ttl_ms is not None:
+                argv.append(f"--default_kv_lease_ttl={kv_lease_ttl_ms}")
+            argv.extend(extra_args)
+            self.argv = argv
+            if self._start(argv, start_timeout, last_attempt=attempt == _PORT_ATTEMPTS):
+                break
+        log.info("mooncake_master pid %d on %s (log %s)", self.pid, self.address, self.log_path)
+
+    def _start(self, argv: list[str], timeout: float, *, last_attempt: bool) -> bool:
+        """Spawn and wait for readiness; ``False`` when the ports were taken meanwhile."""
+        with open(self.log_path, "ab") as logfile:
+            proc = _Spawner.popen(
+                argv, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                close_fds=True, start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+        self._proc = proc
+        self._finalizer = weakref.finalize(
+            self, _stop_process, proc, self.log_path, self.keep_log, self.stop_timeout
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                self._finalizer.detach()
+                tail = _tail(self.log_path)
+                if not last_attempt and "in use" in tail.lower():
+                    log.info("mooncake_master port race on %d; retrying", self.rpc_port)
+                    return False
+                raise StoreError(
+                    f"mooncake_master exited with code {proc.returncode} while starting on "
+                    f"{self.address}; argv {argv}; log {self.log_path}:\n{tail}"
+                )
+            if tcp_reachable(self.host, self.rpc_port, 0.2):
+                owner = _listener_owner(proc.pid, self.rpc_port)
+                if owner or owner is None:
+                    return True
+                if not last_attempt:  # someone else took the port
+                    self._finalizer()
+                    log.info("port %d was taken by another process; retrying", self.rpc_port)
+                    return False
+            if time.monotonic() > deadline:
+                self._finalizer.detach()
+                _stop_process(proc, self.log_path, True, self.stop_timeout)
+                raise StoreError(
+                    f"mooncake_master did not accept connections on {self.address} within "
+                    f"{timeout:.0f}s; log {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            time.sleep(0.02)
+
+    def restart(self) -> None:
+        """Start the master again on the same ports after it died (a no-op while it runs).
+        The new master knows no objects. Raises :class:`kvmove.StoreError` when it cannot
+        start (e.g. the port was taken meanwhile)."""
+        if self.running:
+            return
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        log.warning("restarting mooncake_master on %s (pid %d exited with %s)", self.address,
+                    self.pid, self._proc.returncode if self._proc else None)
+        self._start(self.argv, self.start_timeout, last_attempt=True)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the master's RPC service."""
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else -1
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the master's log, for error messages."""
+        return _tail(self.log_path, lines)
+
+    def stop(self) -> None:
+        """Stop the master (SIGTERM, then SIGKILL after ``stop_timeout``). Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    close = stop
+
+    def __enter__(self) -> EmbeddedMaster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"EmbeddedMaster({self.address}, pid {self.pid}, {state})"

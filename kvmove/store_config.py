@@ -1,0 +1,232 @@
+"""``StoreConfig``: how to reach a Mooncake store, from code, a dict, or SGLang's environment.
+
+The environment variables are SGLang's (``MooncakeStoreConfig.load_from_env``; the local
+buffer size is Mooncake's own name), so an engine deployment that already talks to Mooncake
+works unchanged:
+
+========================================  ==========================  =====================
+variable                                  field                       default
+========================================  ==========================  =====================
+``MOONCAKE_MASTER``  (required)           ``master_address``          —
+``MOONCAKE_PROTOCOL``                     ``protocol``                ``tcp``
+``MOONCAKE_DEVICE``                       ``rdma_devices``            ``""``
+``MOONCAKE_TE_META_DATA_SERVER``          ``metadata_server``         ``P2PHANDSHAKE``
+``MOONCAKE_GLOBAL_SEGMENT_SIZE``          ``global_segment_size``     4 GiB
+``MOONCAKE_LOCAL_BUFFER_SIZE``            ``local_buffer_size``       16 MiB
+``MOONCAKE_LOCAL_HOSTNAME``               ``local_hostname``          ``localhost``
+========================================  ==========================  =====================
+
+Sizes are plain byte counts or numbers with a unit, as SGLang and Mooncake accept them:
+``4294967296``, ``"4gb"``, ``"512MB"``, ``"1.5g"`` (units are powers of 1024). A malformed
+value raises ``ValueError`` naming the variable (or field) and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["StoreConfig", "parse_size"]
+
+DEFAULT_GLOBAL_SEGMENT_SIZE = 4 << 30  # SGLang's default
+DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20  # SGLang's: the zero-copy API needs no local buffer
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
+
+# Environment variable -> field.
+ENV_VARS = {
+    "MOONCAKE_MASTER": "master_address",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "rdma_devices",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
+    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+}
+
+# Mooncake's own JSON config names (MOONCAKE_CONFIG_PATH files) -> field.
+_ALIASES = {"master_server_address": "master_address", "device_name": "rdma_devices"}
+
+
+def parse_size(value, name: str = "size") -> int:
+    """A byte count from an int or a string such as ``"4gb"``; ``ValueError`` naming
+    ``name`` when it is not one."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        result = value
+    elif isinstance(value, float) and value.is_integer():
+        result = int(value)
+    elif isinstance(value, str):
+        m = _SIZE.match(value.lower())
+        if not m or m.group(2) not in _UNITS:
+            raise ValueError(
+                f"{name} = {value!r} is not a size; use bytes or a number with a unit "
+                f"(e.g. 4294967296, '4gb', '512mb')"
+            )
+        result = int(float(m.group(1)) * _UNITS[m.group(2)])
+    else:
+        raise ValueError(f"{name} must be a byte count, got {type(value).__name__} {value!r}")
+    if result < 0:
+        raise ValueError(f"{name} = {value!r} must not be negative")
+    return result
+
+
+def _parse_address(value, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a 'host:port' string, got {value!r}")
+    host, sep, port = value.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} = {value!r} is not a 'host:port' address")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where the Mooncake store is and how this client joins it.
+
+    ``master_address``: the master's RPC ``host:port``. ``metadata_server``: the transfer
+    engine's metadata service (``"P2PHANDSHAKE"`` needs none; etcd or the master's HTTP
+    server in RDMA deployments). ``protocol``: ``"tcp"`` or ``"rdma"`` (or another transport
+    Mooncake was built with). ``rdma_devices``: e.g. ``"mlx5_0,mlx5_1"`` (``""`` for TCP).
+    ``local_hostname``: the address other clients reach this one at.
+    ``global_segment_size``: bytes this client contributes to the store (0 = none).
+    ``local_buffer_size``: Mooncake's client-side bounce buffer (the zero-copy calls that
+    kvmove uses do not need a large one). ``replica_count``: replicas per object.
+
+    kvmove's own knobs: ``connect_timeout`` (seconds a plain TCP probe of the master may
+    take before :class:`kvmove.StoreError`; Mooncake's ``setup()`` alone would retry for
+    about 90 s; ``close()`` uses it too, to see whether the master is still there),
+    ``max_batch_keys`` (keys per Mooncake
+    call; larger batches are split) and ``detect_exists`` (ask the master which keys exist
+    before a put, so that ``put`` can report ``Status.EXISTS``: Mooncake 0.3.13 answers ``0``
+    for a put of an existing key).
+    """
+
+    master_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    local_hostname: str = "localhost"
+    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
+    replica_count: int = 1
+    connect_timeout: float = 5.0
+    max_batch_keys: int = 1024
+    detect_exists: bool = True
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "master_address", _parse_address(self.master_address, "master_address"))
+        for name in ("metadata_server", "protocol", "local_hostname"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            set_(self, name, value.strip())
+        set_(self, "protocol", self.protocol.lower())
+        if self.rdma_devices is None:
+            set_(self, "rdma_devices", "")
+        if not isinstance(self.rdma_devices, str):
+            raise ValueError(f"rdma_devices must be a string, got {self.rdma_devices!r}")
+        for name in ("global_segment_size", "local_buffer_size"):
+            set_(self, name, parse_size(getattr(self, name), name))
+        for name in ("replica_count", "max_batch_keys"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().isdigit():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            set_(self, name, value)
+        try:
+            timeout = float(self.connect_timeout)
+        except (TypeError, ValueError):
+            timeout = -1.0
+        if not timeout > 0:
+            raise ValueError(
+                f"connect_timeout must be positive seconds, got {self.connect_timeout!r}"
+            )
+        set_(self, "connect_timeout", timeout)
+        if not isinstance(self.detect_exists, bool):
+            raise ValueError(f"detect_exists must be a bool, got {self.detect_exists!r}")
+
+    # -- constructors ----------------------------------------------------------------------
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The names of the configuration fields."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> StoreConfig:
+        """A config from a mapping of field names (Mooncake's JSON names
+        ``master_server_address`` and ``device_name`` are accepted too). An unknown name
+        raises ``ValueError`` naming it."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"expected a mapping of config fields, got {type(values).__name__}")
+        known = set(cls.fields())
+        kwargs = {}
+        for key, value in values.items():
+            name = _ALIASES.get(key, key)
+            if name not in known:
+                raise ValueError(f"unknown store config field {key!r}; fields are {sorted(known)}")
+            kwargs[name] = value
+        if "master_address" not in kwargs:
+            raise ValueError("store config needs 'master_address' ('host:port' of the master)")
+        return cls(**kwargs)
+
+    @classmethod
+    def coerce(cls, config: StoreConfig | Mapping) -> StoreConfig:
+        """``config`` itself, or a config built from a dict with the same fields."""
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        raise TypeError(f"expected a StoreConfig or a dict, got {type(config).__name__}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> StoreConfig:
+        """A config from SGLang's ``MOONCAKE_*`` environment variables (see the module
+        docstring); ``overrides`` set fields directly. ``MOONCAKE_MASTER`` is required. A
+        malformed value raises ``ValueError`` naming the variable and the value."""
+        unknown = set(overrides) - set(cls.fields())
+        if unknown:
+            raise ValueError(f"unknown store config field(s) {sorted(unknown)}")
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        for var, name in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is not None and raw.strip():
+                values[name] = cls._parse_env(name, raw, var)
+        values.update(overrides)
+        if "master_address" not in values:
+            raise ValueError(
+                "environment variable MOONCAKE_MASTER is not set; set it to the Mooncake "
+                "master's 'host:port' (or use MooncakeStore.embedded() for a local store)"
+            )
+        try:
+            return cls(**values)
+        except ValueError as e:  # a field's check: name its variable
+            var = next((v for v, n in ENV_VARS.items() if str(e).startswith(n)), None)
+            if var is None:
+                raise
+            raise ValueError(f"environment variable {var}: {e}") from None
+
+    @staticmethod
+    def _parse_env(name: str, raw: str, var: str):
+        if name in ("global_segment_size", "local_buffer_size"):
+            return parse_size(raw, var)
+        if name == "master_address":
+            return _parse_address(raw, var)
+        return raw.strip()
+
+    def replace(self, **changes) -> StoreConfig:
+        """A copy with ``changes`` applied (validated)."""
+        unknown = set(changes) - set(self.fields())
+        if unknown:
+            raise ValueError(f"unknown store config field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,27 @@
+"""Shared fixtures: one embedded Mooncake store for the whole session, unique key prefixes."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+import kvmove
+
+LEASE_MS = 1000  # the shared store's read lease (Mooncake's default is 10 s)
+
+
+@pytest.fixture(scope="session")
+def store():
+    """One embedded store (private mooncake_master on loopback, TCP) for the session. Tests
+    share it, so each uses its own keys (see ``keyspace``)."""
+    s = kvmove.MooncakeStore.embedded(kv_lease_ttl_ms=LEASE_MS)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def keyspace():
+    """A function ``keyspace(n) -> list[str]`` of ``n`` keys unique to this test."""
+    prefix = uuid.uuid4().hex[:12]
+    return lambda n, tag="k": [f"{prefix}/{tag}{i}" for i in range(n)]

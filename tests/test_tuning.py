@@ -1,0 +1,194 @@
+"""The tuning cache and its lookup order (user cache, shipped table, defaults), tuning on
+first use, the recorded direct/two-hop choice behind ``backend="auto"``, the search, and
+``kvmove tune`` on a machine without a GPU. No GPU needed: the timings are faked."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from kvmove.kernels import configs
+from kvmove.kernels.configs import LaunchConfig
+
+from kvmove import tuning
+from kvmove.copy import resolve_backend
+
+GPU = "Fake GPU 9000"
+USER = LaunchConfig(block_bytes=512, rows=4, num_warps=2, max_programs=8)
+SHIPPED = LaunchConfig(block_bytes=128, rows=2, num_warps=1, max_programs=4)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A private user cache and shipped-table folder; registrations forgotten around each
+    test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(tuning.ENV_AUTOTUNE, raising=False)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(configs, "TUNED_DIR", shipped)
+    tuning.reset()
+    yield shipped
+    tuning.reset()
+
+
+def write_json(path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def table(entries: dict[str, LaunchConfig], paths: dict[str, str] | None = None) -> dict:
+    return {"configs": {k: c.to_dict() for k, c in entries.items()}, "paths": paths or {}}
+
+
+def test_lookup_order_is_user_cache_then_shipped_table_then_defaults(isolated):
+    a, b = "gather/small/p64", "gather/tiny/p1"
+    write_json(isolated / f"{configs.gpu_slug(GPU)}.json", table({a: SHIPPED, b: SHIPPED}))
+    # Before the first launch on this GPU the user cache is not consulted.
+    assert configs.pick("gather", 656, 64, GPU) == SHIPPED
+    write_json(tuning.cache_path(GPU), table({a: USER}))
+    tuning.prepare(GPU, torch.device("cpu"), "gather", 656, 64)  # what the launch calls
+    assert configs.pick("gather", 656, 64, GPU) == USER  # user cache
+    assert configs.pick("gather", 132, 1, GPU) == SHIPPED  # shipped table
+    assert configs.pick("scatter", 4096, 16, GPU) == configs.default_config(4096)  # defaults
+    # Another GPU sees neither this GPU's user cache nor its shipped table.
+    assert configs.pick("gather", 656, 64, "Other GPU") == configs.default_config(656)
+    # The interpreter keeps its fixed config.
+    assert configs.pick("gather", 656, 64, None) == configs.INTERPRETER_CONFIG
+
+
+def test_cache_file_is_keyed_by_gpu_and_triton_version(tmp_path):
+    path = tuning.cache_path("NVIDIA H200", "3.9.0")
+    assert path == tmp_path / "cache" / "kvmove" / "tuned" / "nvidia-h200-triton3.9.0.json"
+    assert tuning.cache_path("NVIDIA H200").name.endswith(f"-triton{tuning.triton_version()}.json")
+
+
+def fake_result(key="gather/small/p64", config=USER, direct=10.0, two_hop=20.0):
+    direction, _, _ = key.split("/")
+    return tuning.KeyResult(key=key, direction=direction, row_bytes=656, page_tokens=64,
+                            layers=8, nbytes=1 << 20, config=config, config_gbps=12.0,
+                            default_gbps=10.0, evaluated=5, direct_gbps=direct,
+                            two_hop_gbps=two_hop)
+
+
+def test_autotune_on_first_use_tunes_a_missing_key_once_and_caches_it(monkeypatch):
+    calls = []
+
+    def fake_tune(device, direction, row_bytes, page_tokens, *, quick):
+        calls.append((direction, row_bytes, page_tokens, quick))
+        return fake_result()
+
+    monkeypatch.setattr(tuning, "tune_key", fake_tune)
+    tuning.prepare(GPU, torch.device("cpu"), "gather", 656, 64)
+    assert calls == []  # off by default
+    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
+    for _ in range(3):
+        tuning.prepare(GPU, torch.device("cpu"), "gather", 700, 50)  # same key, other shape
+    assert calls == [("gather", 700, 50, True)]
+    assert configs.pick("gather", 656, 64, GPU) == USER
+    assert configs.pick_path("gather", 656, 64, GPU) == "two_hop"
+    saved = json.loads(tuning.cache_path(GPU).read_text())
+    assert saved["configs"]["gather/small/p64"] == USER.to_dict()
+    assert saved["paths"]["gather/small/p64"] == "two_hop"
+    assert saved["gpu"] == GPU and saved["triton"] == tuning.triton_version()
+    # A fresh process reads it back from the cache without tuning again.
+    tuning.reset()
+    tuning.prepare(GPU, torch.device("cpu"), "gather", 656, 64)
+    assert len(calls) == 1 and configs.pick("gather", 656, 64, GPU) == USER
+
+
+def test_a_failed_autotune_never_breaks_the_copy(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(tuning, "tune_key", broken)
+    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "1")
+    with caplog.at_level(logging.WARNING, logger="kvmove.tuning"):
+        tuning.prepare(GPU, torch.device("cpu"), "scatter", 132, 1)
+        tuning.prepare(GPU, torch.device("cpu"), "scatter", 132, 1)
+    failures = [r for r in caplog.records if r.message.startswith("autotuning")]
+    assert len(failures) == 1  # not retried at every launch
+    assert configs.pick("scatter", 132, 1, GPU) == configs.default_config(132)
+
+
+def test_auto_backend_follows_the_recorded_path(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: GPU)
+    write_json(tuning.cache_path(GPU),
+               table({}, {"gather/small/p64": "two_hop", "scatter/small/p64": "direct"}))
+    cuda = torch.device("cuda", 0)
+    assert tuning.preferred_backend(cuda, "gather", 656, 64) == "two_hop"
+    assert tuning.preferred_backend(cuda, "scatter", 656, 64) == "triton"
+    assert tuning.preferred_backend(cuda, "gather", 132, 1) == "triton"  # never measured
+    assert resolve_backend("auto", cuda, direction="gather", row_bytes=700,
+                           page_tokens=64) == "two_hop"
+    assert resolve_backend("auto", cuda) == "triton"
+    assert resolve_backend("triton", cuda, direction="gather", row_bytes=656,
+                           page_tokens=64) == "triton"  # a forced backend stays forced
+
+
+def test_unreadable_cache_is_ignored_with_a_warning(caplog):
+    path = tuning.cache_path(GPU)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="kvmove.tuning"):
+        tuning.prepare(GPU, torch.device("cpu"), "gather", 656, 64)
+    assert "unreadable" in caplog.text
+    assert configs.pick("gather", 656, 64, GPU) == configs.default_config(656)
+
+
+def test_results_merge_into_the_cache_file(tmp_path):
+    path = tmp_path / "out" / "t.json"
+    tuning.write_results(path, GPU, [fake_result("gather/small/p64")])
+    tuning.write_results(path, GPU, [fake_result("scatter/tiny/p1", SHIPPED, 30.0, 20.0)])
+    data = json.loads(path.read_text())
+    assert set(data["configs"]) == {"gather/small/p64", "scatter/tiny/p1"}
+    assert data["paths"] == {"gather/small/p64": "two_hop", "scatter/tiny/p1": "direct"}
+    assert data["measurements"]["scatter/tiny/p1"]["direct_gbps"] == 30.0
+    assert [p.name for p in path.parent.iterdir()] == ["t.json"]  # no temporary left behind
+    parsed = configs.tuned_table_from_json(data)  # the shipped-table format
+    assert parsed.configs["scatter/tiny/p1"] == SHIPPED
+
+
+def test_search_walks_to_the_fastest_valid_config():
+    best_known = LaunchConfig(block_bytes=512, rows=8, num_warps=2, max_programs=8)
+
+    def cost(c: LaunchConfig) -> float:
+        return (1.0 + abs(c.block_bytes.bit_length() - 10) + abs(c.rows.bit_length() - 4)
+                + abs(c.num_warps.bit_length() - 2) + abs(c.max_programs.bit_length() - 4))
+
+    best, seen = tuning.search(cost, 656, max_programs=16)
+    assert best == best_known
+    assert all(tuning.valid(c, 656, 16) for c in seen)
+    assert all(c.max_programs <= 16 and c.block_bytes <= 1024 for c in seen)
+
+
+def test_valid_configs():
+    ok = LaunchConfig(block_bytes=256, rows=8, num_warps=4, max_programs=16)
+    assert tuning.valid(ok, 132, 16)
+    assert not tuning.valid(LaunchConfig(512, 8, 4, 16), 132, 16)  # wider than the row
+    assert not tuning.valid(LaunchConfig(256, 8, 4, 32), 132, 16)  # over the programs cap
+    assert not tuning.valid(LaunchConfig(8192, 64, 4, 16), 8192, 16)  # tile too large
+    assert tuning.valid(LaunchConfig(128, 1, 1, 4), 4, 16)  # the narrowest block for tiny rows
+    assert tuning.start_config(656, 8).max_programs == 8
+
+
+def test_tune_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tuning.tune_main([]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+    assert tuning.tune_main(["--quick", "--row-bytes", "656"]) == 0
+    assert not tuning.cache_dir().exists()  # nothing written
+
+
+def test_shipped_tables_parse():
+    shipped = configs.Path(configs.__file__).with_name("tuned")
+    for path in sorted(shipped.glob("*.json")):
+        data = json.loads(path.read_text())
+        parsed = configs.tuned_table_from_json(data)
+        for key in parsed.configs:
+            direction, rows, tokens = key.split("/")
+            assert direction in tuning.DIRECTIONS
+            assert rows in tuning.CLASS_ROW_BYTES and tokens in tuning.CLASS_PAGE_TOKENS
+        assert set(parsed.paths.values()) <= set(configs.PATHS)

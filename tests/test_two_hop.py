@@ -1,0 +1,228 @@
+"""The two-hop (copy-engine) path on the CPU, where its ring is host memory and its spans are
+memmoves: the same bytes as the torch backend for hypothesis-generated caches, fragmented
+slots, padding, layer subsets and rings small enough to force many chunks; out-of-range
+rows skipped and counted; spans merged only where rows are adjacent."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvmove
+from kvmove.copy import resolve_backend
+from kvmove.copy_engine import copy_spans
+from kvmove.device_ring import ENV_RING_BYTES, ring_for
+from kvmove.two_hop import copy_rows_two_hop, host_spans
+from tests.caches import assert_same, buffer_specs, build_cache, random_bytes, snapshot
+
+SETTINGS = settings(max_examples=20, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch):
+    """Kernels run on the CPU through the Triton interpreter (set per test, never globally)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def fill_random(staging: kvmove.StagingBuffer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name in staging.buffer_names:
+        t = staging.tensor(name)
+        t.copy_(random_bytes(t.shape, torch.uint8, g))
+
+
+@st.composite
+def pages_and_slots(draw, kv_slots, staging_slots, page_tokens):
+    """Scattered KV rows with -1 padding; distinct staging slots in any order (fragmented)."""
+    n = draw(st.integers(1, staging_slots))
+    token = st.one_of(st.integers(0, kv_slots - 1), st.just(-1))
+    pages = draw(st.lists(st.lists(token, min_size=page_tokens, max_size=page_tokens),
+                          min_size=n, max_size=n))
+    slots = draw(st.permutations(range(staging_slots)))[:n]
+    if draw(st.booleans()):
+        slots = sorted(slots)  # contiguous runs: one span per layer where slots are adjacent
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    return torch.tensor(pages, dtype=dtype), torch.tensor(slots, dtype=dtype)
+
+
+ring_sizes = st.sampled_from(["", "1", "700", "5000", "100000"])  # "" = the default ring
+
+
+@SETTINGS
+@given(data=st.data(), specs=buffer_specs(), page_tokens=st.sampled_from([1, 2, 3, 16, 64]),
+       kv_slots=st.integers(4, 40), ring=ring_sizes)
+def test_gather_matches_torch_backend(data, specs, page_tokens, kv_slots, ring):
+    kv = build_cache(specs, kv_slots, seed=data.draw(st.integers(0, 1000)))
+    staging_slots = data.draw(st.integers(1, 6))
+    token_pages, slots = data.draw(pages_and_slots(kv_slots, staging_slots, page_tokens))
+    results = []
+    with mock.patch.dict(os.environ, {ENV_RING_BYTES: ring}):
+        for backend in ("torch", "two_hop"):
+            staging = kvmove.StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens)
+            fill_random(staging, seed=3)
+            errors = kvmove.gather(kv, staging, token_pages, slots, backend=backend)
+            assert int(errors) == 0
+            results.append(snapshot(staging))
+    assert_same(results[0], results[1])
+
+
+@SETTINGS
+@given(data=st.data(), specs=buffer_specs(), page_tokens=st.sampled_from([1, 4, 16]),
+       kv_slots=st.integers(4, 40), ring=ring_sizes)
+def test_scatter_matches_torch_backend(data, specs, page_tokens, kv_slots, ring):
+    src = build_cache(specs, kv_slots, seed=5)
+    staging_slots = data.draw(st.integers(1, 5))
+    staging = kvmove.StagingBuffer(src, num_slots=staging_slots, page_tokens=page_tokens)
+    fill_random(staging, seed=data.draw(st.integers(0, 100)))
+    n = data.draw(st.integers(1, staging_slots))
+    slots = torch.tensor(data.draw(st.permutations(range(staging_slots)))[:n])
+    # Destination KV rows: distinct, with -1 padding.
+    perm = data.draw(st.permutations(range(kv_slots)))
+    flat = [perm[i] if i < kv_slots and data.draw(st.integers(0, 4)) else -1
+            for i in range(n * page_tokens)]
+    token_pages = torch.tensor(flat).reshape(n, page_tokens)
+    layers = data.draw(st.one_of(st.none(), st.integers(0, src.max_layers - 1)))
+    results = []
+    with mock.patch.dict(os.environ, {ENV_RING_BYTES: ring}):
+        for backend in ("torch", "two_hop"):
+            kv = build_cache(specs, kv_slots, seed=6)
+            errors = kvmove.scatter(staging, slots, kv, token_pages, layers=layers,
+                                    backend=backend)
+            assert int(errors) == 0
+            results.append(snapshot(kv))
+    assert_same(results[0], results[1])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), specs=buffer_specs(max_buffers=2, max_layers=3),
+       kv_slots=st.integers(2, 30))
+def test_copy_rows_between_caches_matches_torch_backend(data, specs, kv_slots):
+    src = build_cache(specs, kv_slots, seed=3)
+    n = data.draw(st.integers(0, kv_slots))
+    src_rows = torch.tensor(data.draw(st.lists(st.integers(-1, kv_slots - 1), min_size=n,
+                                               max_size=n)), dtype=torch.int64)
+    dst_rows = torch.tensor(data.draw(st.permutations(range(kv_slots)))[:n], dtype=torch.int32)
+    results = []
+    for backend in ("torch", "two_hop"):
+        dst = build_cache(specs, kv_slots, seed=4)
+        kvmove.copy_rows(src, src_rows, dst, dst_rows, backend=backend)
+        results.append(snapshot(dst))
+    assert_same(results[0], results[1])
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_triton_interpreter_as_the_device_copy(direction, monkeypatch):
+    """The two-hop path with the Triton kernel as its device-side copy, as on CUDA."""
+    monkeypatch.setenv(ENV_RING_BYTES, "4000")  # several chunks
+    kv = build_cache([("kv", 3, 656, torch.uint8, 2, False)], 32, seed=8)
+    staging = kvmove.StagingBuffer(kv, num_slots=6, page_tokens=4)
+    fill_random(staging, seed=9)
+    kv_rows = torch.tensor([3, 4, 5, 6, 31, 30, -1, 2, 9, 10, 11, 12, 0, 1, 17, 18])
+    staging_rows = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 20, 21, 22, 23, 4, 5, 6, 7])
+    src_pool, dst_pool = ((kv, staging) if direction == "gather" else (staging, kv))
+    s, d = (kv_rows, staging_rows) if direction == "gather" else (staging_rows, kv_rows)
+    reference = build_cache([("kv", 3, 656, torch.uint8, 2, False)], 32, seed=8)
+    ref_staging = kvmove.StagingBuffer(reference, num_slots=6, page_tokens=4)
+    fill_random(ref_staging, seed=9)
+    ref_src, ref_dst = ((reference, ref_staging) if direction == "gather"
+                        else (ref_staging, reference))
+    kvmove.copy_rows(ref_src, s, ref_dst, d, backend="torch")
+    copy_rows_two_hop(src_pool.row_pool.buffers["kv"], dst_pool.row_pool.buffers["kv"],
+                      [0, 1, 2], s, d, None, direction=direction, page_tokens=4, inner="triton")
+    assert_same(snapshot(dst_pool), snapshot(ref_dst))
+
+
+def underlying(kv: kvmove.KVCache) -> list[torch.Tensor]:
+    out = []
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            t = kv.layer(name, layer)
+            out.append((t._base if t._base is not None else t).clone())
+    return out
+
+
+def test_out_of_range_rows_are_counted_and_never_written():
+    specs = [("kv", 3, 656, torch.uint8, 3, False), ("ix", 2, 132, torch.float32, 1, False)]
+    kv = build_cache(specs, 16, seed=5)
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
+    fill_random(staging, seed=1)
+    token_pages = torch.tensor([[0, 16, 1000, 2], [3, -7, -1, 4], [5, 6, 7, 8]])
+    expected = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
+    fill_random(expected, seed=1)
+    errors = kvmove.gather(kv, staging, token_pages, torch.tensor([0, 1, 9]),
+                           backend="two_hop", check=False)
+    kvmove.gather(kv, expected, token_pages, torch.tensor([0, 1, 9]), backend="torch",
+                  check=False)
+    assert int(errors) == 3 + 4
+    assert_same(snapshot(staging), snapshot(expected))
+    before = underlying(kv)
+    errors = kvmove.scatter(staging, torch.tensor([0, 1]), kv,
+                            torch.tensor([[16, 17, -3, 10**9], [-1, -1, -1, 99]]),
+                            backend="two_hop", check=False)
+    assert int(errors) == 5
+    for x, y in zip(before, underlying(kv), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_host_spans_merge_adjacent_rows_only():
+    kv = build_cache([("kv", 2, 8, torch.uint8, 0, True)], 16)
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
+    host = staging.row_pool.buffers["kv"]
+    ring = ring_for(kv.row_pool.buffers["kv"]).rows
+    rows = np.array([4, 5, 6, 9, 10, 2])
+    host_addr, ring_addr, sizes = host_spans(host, rows, ring, [1])
+    base_h, base_r = host.device_addresses[1], ring.device_addresses[1]
+    assert (host_addr - base_h).tolist() == [4 * 8, 9 * 8, 2 * 8]
+    assert (ring_addr - base_r).tolist() == [0, 3 * 8, 5 * 8]
+    assert sizes.tolist() == [3 * 8, 2 * 8, 8]
+    # Rows with a pitch larger than the row are never merged.
+    padded = build_cache([("kv", 1, 8, torch.uint8, 4, False)], 16).row_pool.buffers["kv"]
+    _, _, sizes = host_spans(padded, np.array([1, 2, 3]), ring, [0])
+    assert sizes.tolist() == [8, 8, 8]
+    empty = host_spans(host, np.array([], dtype=np.int64), ring, [0, 1])
+    assert all(len(x) == 0 for x in empty)
+
+
+def test_copy_spans_on_the_cpu_moves_each_span():
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    a, b = src.data_ptr(), dst.data_ptr()
+    calls = copy_spans([b + 10, b + 40], [a, a + 20], [5, 3], device=torch.device("cpu"))
+    assert calls == 2
+    expect = torch.zeros(64, dtype=torch.uint8)
+    expect[10:15] = src[0:5]
+    expect[40:43] = src[20:23]
+    assert torch.equal(dst, expect)
+    assert copy_spans([], [], [], device=torch.device("cpu")) == 0
+    with pytest.raises(ValueError, match="differ in length"):
+        copy_spans([b], [a, a], [1], device=torch.device("cpu"))
+    assert ctypes.c_uint8.from_address(b + 42).value == 22
+
+
+def test_ring_is_reused_and_follows_its_size(monkeypatch):
+    kv = build_cache([("kv", 2, 100, torch.uint8, 0, True)], 8)
+    buf = kv.row_pool.buffers["kv"]
+    monkeypatch.setenv(ENV_RING_BYTES, "2000")
+    ring = ring_for(buf)
+    assert ring.capacity == 10 and ring_for(buf) is ring
+    monkeypatch.setenv(ENV_RING_BYTES, "4000")
+    assert ring_for(buf).capacity == 20
+    monkeypatch.setenv(ENV_RING_BYTES, "lots")
+    with pytest.raises(ValueError, match=ENV_RING_BYTES):
+        ring_for(buf)
+
+
+def test_two_hop_is_a_backend_and_auto_stays_torch_on_the_cpu():
+    assert resolve_backend("two_hop", torch.device("cpu")) == "two_hop"
+    assert resolve_backend("auto", torch.device("cpu"), direction="gather", row_bytes=656) \
+        == "torch"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("copy_engine", torch.device("cpu"))
