@@ -2,10 +2,13 @@
 from the staging bytes after the gather and stored as the object's 8-byte trailer; checked
 after a get, before any byte is scattered into the KV cache.
 
-The fingerprint is ``sum_l M^(L-1-l) * sum_j w_l[j] * byte_l[j]`` modulo 2^64 over the
-page's spans in object order, with odd pseudo-random weights (so that any single changed byte
-always changes it, and swapped spans almost surely do). Vectorised over pages; the Python
-loop runs over (buffer, layer) spans only.
+The fingerprint is ``sum_l M^(L-1-l) * (l + 1 + sum_j w[j] * word_l[j])`` modulo 2^64 over
+the page's spans in object order, where ``word`` reads a span as 32-bit words (bytes where
+the row size is not a multiple of 4) and the weights are odd pseudo-random numbers below
+2^31: a single changed byte changes its word by ``d * 2^(8k)`` with ``0 < d < 256``, and an
+odd weight times that is never 0 modulo 2^64, so any one changed byte is always detected;
+swapped or shifted spans almost surely are. Vectorised over pages; the Python loop runs over
+(buffer, layer) spans only.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ class PageChecksum:
     def __init__(self, staging: StagingBuffer, seed: int = 0x6B766D76):
         self.staging = staging
         g = torch.Generator().manual_seed(seed)
-        # One weight vector per buffer (odd int64s), and a per-layer salt mixed in.
+        # Per buffer: the word size its rows allow, and one odd weight per word.
+        self._word = {name: 4 if staging.row_bytes(name) % 4 == 0 else 1
+                      for name in staging.buffer_names}
         self._weights = {
-            name: torch.randint(0, 2**31, (staging.page_bytes(name),), generator=g,
-                                dtype=torch.int64) * 2 + 1
+            name: torch.randint(0, 2**30, (staging.page_bytes(name) // self._word[name],),
+                                generator=g, dtype=torch.int64) * 2 + 1
             for name in staging.buffer_names
         }
 
@@ -37,13 +42,15 @@ class PageChecksum:
         valid = valid_tokens.to(torch.int64).cpu()
         total = torch.zeros(slots.numel(), dtype=torch.int64)
         for name in self.staging.buffer_names:
+            word = self._word[name]
             staged = self.staging.tensor(name)
+            words = staged.view(torch.int32) if word == 4 else staged
             weights = self._weights[name]
             cols = torch.arange(weights.numel())
-            keep = cols[None, :] < (valid * self.staging.row_bytes(name))[:, None]
+            keep = cols[None, :] < (valid * (self.staging.row_bytes(name) // word))[:, None]
             masked = torch.where(keep, weights[None, :], torch.zeros((), dtype=torch.int64))
             for layer in range(staged.shape[0]):
-                page = staged[layer].index_select(0, slots).to(torch.int64)
+                page = words[layer].index_select(0, slots).to(torch.int64)
                 total = total * _MIX + (page * masked).sum(dim=1) + (layer + 1)
         return total
 

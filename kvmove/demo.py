@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -62,7 +63,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def page_bytes(page: int, name: str, layers: int, tokens: int, row: int) -> torch.Tensor:
     """The bytes page ``page`` of buffer ``name`` was created with: ``[layers, tokens, row]``."""
-    g = torch.Generator().manual_seed(hash((page, name)) & 0x7FFFFFFF)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{page}".encode()))
     return torch.randint(0, 256, (layers, tokens, row), dtype=torch.uint8, generator=g)
 
 

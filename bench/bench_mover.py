@@ -1,0 +1,160 @@
+"""End-to-end benchmark of the HiSparse paths: ``KVMover.evict`` (gather + put) and
+``KVMover.prefetch`` (get + scatter) of a DSA-like hybrid cache (kv 656-byte rows and an
+indexer of 132-byte rows per layer), against the sum of their parts measured in the same run
+(``gather`` alone, ``store.put`` alone, ...), the raw contiguous Mooncake put/get of the same
+bytes, and the mover with end-to-end checksums on (its overhead).
+
+    python -m bench.bench_mover                  # table
+    python -m bench.bench_mover --json out.json  # and the figures as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import kvmove
+
+
+def build_parser() -> argparse.ArgumentParser:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m bench.bench_mover", description=__doc__)
+    p.add_argument("--layers", type=int, default=61 if on_gpu else 16)
+    p.add_argument("--page-tokens", type=int, default=64 if on_gpu else 16)
+    p.add_argument("--pages", type=int, default=256 if on_gpu else 64, help="pages per call")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="fewer layers, pages and repeats")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
+    return p
+
+
+def make_cache(args) -> kvmove.KVCache:
+    slots = 2 * args.pages * args.page_tokens
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randint(0, 256, (args.layers, slots, 656), dtype=torch.uint8, generator=g)
+    ix = torch.randint(0, 256, (args.layers, slots, 132), dtype=torch.uint8, generator=g)
+    return kvmove.KVCache({"kv": kv.to(args.device), "indexer": ix.to(args.device)})
+
+
+def run(args) -> dict:
+    kv = make_cache(args)
+    n, p = args.pages, args.page_tokens
+    src = torch.arange(n * p).reshape(n, p)
+    dst = src + n * p
+    samples: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        samples.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    with kvmove.MooncakeStore.embedded(global_segment_size=2 << 30) as store:
+        movers = {
+            "plain": kvmove.KVMover(kv, store, page_tokens=p, staging_slots=n,
+                                    key_prefix="bench"),
+            "checksum": kvmove.KVMover(kv, store, page_tokens=p, staging_slots=n,
+                                       key_prefix="bench", checksum=True),
+        }
+        plain = movers["plain"]
+        object_bytes = plain.staging.object_bytes
+        total = n * object_bytes
+        # The raw baseline: the same bytes, one contiguous span per key.
+        flat = torch.randint(0, 256, (total,), dtype=torch.uint8)
+        flat_back = torch.zeros_like(flat)
+        store.register([(flat.data_ptr(), flat.numel()), (flat_back.data_ptr(), total)])
+        client = store._client
+        raw_src = [flat.data_ptr() + i * object_bytes for i in range(n)]
+        raw_dst = [flat_back.data_ptr() + i * object_bytes for i in range(n)]
+        sizes = [object_bytes] * n
+        for r in range(args.repeat + 1):  # the first round warms up and is dropped
+            keys = [f"{uuid.uuid4().hex[:10]}-{i}" for i in range(n)]
+            for name, mover in movers.items():
+                statuses = timed(f"evict ({name})", lambda m=mover: m.evict(keys, src).wait())
+                assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
+                statuses = timed(f"prefetch ({name})",
+                                 lambda m=mover: m.prefetch(keys, dst).wait())
+                assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
+            # The parts of the plain path, on the plain mover's staging.
+            slots = plain.staging.alloc(n)
+            try:
+                timed("gather", lambda s=slots: kvmove.gather(kv, plain.staging, src, s))
+                part_keys = [f"part-{k}" for k in keys]
+                desc = kvmove.describe(plain.staging, slots, part_keys)
+                assert timed("store.put", lambda d=desc: store.put(d, detect_exists=False)).all_ok
+                assert timed("store.get", lambda d=desc: store.get(d)).all_ok
+                timed("scatter", lambda s=slots: kvmove.scatter(plain.staging, s, kv, dst))
+            finally:
+                plain.staging.free(slots)
+            raw_keys = [f"raw-{k}" for k in keys]
+            codes = timed("raw put", lambda k=raw_keys: client.batch_put_from(k, raw_src, sizes))
+            assert all(c == 0 for c in codes)
+            codes = timed("raw get", lambda k=raw_keys: client.batch_get_into(k, raw_dst, sizes))
+            assert codes == sizes
+            for m in movers.values():
+                store.remove(m.keyspace.store_keys(keys), force=True)
+            store.remove(part_keys + raw_keys, force=True)
+            if r == 0:
+                samples.clear()
+        for m in movers.values():
+            m.close()
+    gbps = {k: total / statistics.median(v) / 1e9 for k, v in samples.items()}
+    parts_evict = total / (total / gbps["gather"] + total / gbps["store.put"])
+    parts_prefetch = total / (total / gbps["store.get"] + total / gbps["scatter"])
+    return {
+        "device": args.device, "layers": args.layers, "page_tokens": p, "pages": n,
+        "object_bytes": object_bytes, "total_bytes": total, "repeats": args.repeat,
+        "median_GBps": gbps,
+        "ratios": {
+            "evict / (gather then put)": gbps["evict (plain)"] / parts_evict,
+            "prefetch / (get then scatter)": gbps["prefetch (plain)"] / parts_prefetch,
+            "evict / raw put": gbps["evict (plain)"] / gbps["raw put"],
+            "prefetch / raw get": gbps["prefetch (plain)"] / gbps["raw get"],
+            "evict with checksum / without": gbps["evict (checksum)"] / gbps["evict (plain)"],
+            "prefetch with checksum / without":
+                gbps["prefetch (checksum)"] / gbps["prefetch (plain)"],
+        },
+    }
+
+
+def report(result: dict, console: Console) -> None:
+    table = Table(title=f"KVMover end to end: {result['pages']} pages x "
+                        f"{result['object_bytes'] / 2**20:.2f} MiB per call "
+                        f"({result['layers']} layers, {result['device']})")
+    table.add_column("method")
+    table.add_column("GB/s (median)", justify="right")
+    for name, value in result["median_GBps"].items():
+        table.add_row(name, f"{value:.2f}")
+    console.print(table)
+    ratios = Table(title="ratios (same run)")
+    ratios.add_column("comparison")
+    ratios.add_column("ratio", justify="right")
+    for name, value in result["ratios"].items():
+        ratios.add_row(name, f"{value:.2f}x")
+    console.print(ratios)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.layers, args.pages, args.repeat = min(args.layers, 8), min(args.pages, 32), 3
+    result = run(args)
+    report(result, Console())
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
