@@ -80,10 +80,11 @@ def run(args) -> dict:
         for r in range(args.repeat + 1):  # the first round warms up and is dropped
             keys = [f"{uuid.uuid4().hex[:10]}-{i}" for i in range(n)]
             for name, mover in movers.items():
-                statuses = timed(f"evict ({name})", lambda m=mover: m.evict(keys, src).wait())
+                statuses = timed(f"evict ({name})",
+                                 lambda m=mover, k=keys: m.evict(k, src).wait())
                 assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
                 statuses = timed(f"prefetch ({name})",
-                                 lambda m=mover: m.prefetch(keys, dst).wait())
+                                 lambda m=mover, k=keys: m.prefetch(k, dst).wait())
                 assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
             # The parts of the plain path, on the plain mover's staging.
             slots = plain.staging.alloc(n)

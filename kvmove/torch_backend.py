@@ -1,7 +1,14 @@
 """The torch reference backend of the row copy: ``index_select`` / ``index_copy_`` on byte
 views, one layer at a time. The correctness oracle in tests, and the fast path on a machine
 without a GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
-skipped and counted, nothing is written outside a pool."""
+skipped and counted, nothing is written outside a pool.
+
+Speed on the CPU: the index work is a few passes per call, not per layer (one ``aminmax``
+per side decides that no row needs masking, the usual case); ``index_select`` into a
+contiguous run of destination rows is a parallel memcpy per row; ``index_copy_`` copies
+element by element, so its rows are viewed with the widest integer type that the row size,
+pitch and base addresses allow (8 bytes instead of 1: about 5x faster at 656-byte rows).
+"""
 
 from __future__ import annotations
 
@@ -9,18 +16,37 @@ import torch
 
 from kvmove.row_pool import BufferRows
 
+_WIDE_TYPES = (torch.int64, torch.int32, torch.int16)
 
-def _contiguous_start(rows: torch.Tensor) -> int | None:
-    """``rows[0]`` if ``rows`` is ``rows[0], rows[0] + 1, ...``, else None."""
+
+def _run_start(rows: torch.Tensor, lo: int, hi: int) -> int | None:
+    """``lo`` if ``rows`` is exactly ``lo, lo + 1, ..., hi``, else None."""
     m = rows.numel()
-    if m == 0:
+    if hi - lo != m - 1 or int(rows[0]) != lo:
         return None
-    first, last = int(rows[0]), int(rows[-1])
-    if last - first != m - 1:
+    if m > 1 and not torch.equal(rows, torch.arange(lo, hi + 1, dtype=rows.dtype,
+                                                    device=rows.device)):
         return None
-    if m > 1 and not bool((rows[1:] - rows[:-1] == 1).all()):
-        return None
-    return first
+    return lo
+
+
+def _widened(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[rows, row_bytes]`` uint8 views as the widest integer rows both allow."""
+    row_bytes = a.shape[1]
+    for dtype in _WIDE_TYPES:
+        size = dtype.itemsize
+        if row_bytes % size == 0 and all(
+            t.data_ptr() % size == 0 and (t.shape[0] <= 1 or t.stride(0) % size == 0)
+            for t in (a, b)
+        ):
+            return a.view(dtype), b.view(dtype)
+    return a, b
+
+
+def _index_copy(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[rows[i]] = src[i]`` for byte rows, in wide words where possible."""
+    wide_dst, wide_src = _widened(dst, src)
+    wide_dst.index_copy_(0, rows, wide_src)
 
 
 def copy_rows_torch(
@@ -35,25 +61,32 @@ def copy_rows_torch(
     the number of out-of-range rows to ``errors`` (unless None)."""
     s = src_rows.to(torch.int64).reshape(-1)
     d = dst_rows.to(torch.int64).reshape(-1)
-    bad = (s < -1) | (s >= src.num_rows) | (d < -1) | (d >= dst.num_rows)
-    if errors is not None and bool(bad.any()):
-        errors += int(bad.sum())
-    keep = (s >= 0) & (d >= 0) & ~bad
-    if not bool(keep.all()):
-        s, d = s[keep], d[keep]
-    if s.numel() == 0:
+    if s.numel() == 0 or not layers:
         return
+    s_lo, s_hi = (int(v) for v in torch.aminmax(s))
+    d_lo, d_hi = (int(v) for v in torch.aminmax(d))
+    if s_lo < 0 or d_lo < 0 or s_hi >= src.num_rows or d_hi >= dst.num_rows:
+        # Padding (-1) or out-of-range rows: count the bad ones, copy the others.
+        bad = (s < -1) | (s >= src.num_rows) | (d < -1) | (d >= dst.num_rows)
+        if errors is not None and bool(bad.any()):
+            errors += int(bad.sum())
+        keep = (s >= 0) & (d >= 0) & ~bad
+        s, d = s[keep], d[keep]
+        if s.numel() == 0:
+            return
+        s_lo, s_hi = (int(v) for v in torch.aminmax(s))
+        d_lo, d_hi = (int(v) for v in torch.aminmax(d))
     s_src = s.to(src.device)
     d_dst = d.to(dst.device)
     same_device = src.device == dst.device
-    d0 = _contiguous_start(d) if same_device else None
-    s0 = _contiguous_start(s) if same_device and d0 is None else None
+    d0 = _run_start(d, d_lo, d_hi) if same_device else None
+    s0 = _run_start(s, s_lo, s_hi) if same_device and d0 is None else None
     m = s.numel()
     for layer in layers:
         src_l, dst_l = src.layers[layer], dst.layers[layer]
         if d0 is not None and dst_l[d0 : d0 + m].is_contiguous():
             torch.index_select(src_l, 0, s_src, out=dst_l[d0 : d0 + m])
         elif s0 is not None:
-            dst_l.index_copy_(0, d_dst, src_l[s0 : s0 + m])
+            _index_copy(dst_l, d_dst, src_l[s0 : s0 + m])
         else:
-            dst_l.index_copy_(0, d_dst, src_l.index_select(0, s_src).to(dst.device))
+            _index_copy(dst_l, d_dst, src_l.index_select(0, s_src).to(dst.device))
