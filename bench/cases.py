@@ -50,7 +50,7 @@ class Settings:
     @classmethod
     def defaults(cls, device: torch.device, *, quick: bool) -> Settings:
         if device.type == "cuda":
-            return cls(device=device, quick=quick, layers=61, max_bytes=(2 if quick else 4) << 30,
+            return cls(device=device, quick=quick, layers=61, max_bytes=(1 if quick else 4) << 30,
                        warmup=2, repeats=5 if quick else 9, max_calls=4000,
                        pages=(256, 4096) if quick else PAGES)
         return cls(device=device, quick=quick, layers=4 if quick else 8,

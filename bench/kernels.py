@@ -78,8 +78,9 @@ def run_case(w: Workload, case: Case, methods: tuple[str, ...], settings: Settin
     }
 
 
-def run_kernels(settings: Settings, progress: Callable[[str], None] = print) -> list[dict]:
-    """Every case of the grid; one record per case."""
+def run_kernels(settings: Settings, progress: Callable[[str], None] = print,
+                on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every case of the grid; one record per case (``on_record`` sees each as it comes)."""
     methods = settings.methods or default_methods(settings.device)
     unknown = set(methods) - set(KVMOVE_METHODS) - set(baselines.BASELINES)
     if unknown:
@@ -97,6 +98,8 @@ def run_kernels(settings: Settings, progress: Callable[[str], None] = print) -> 
                     case = Case(direction, rb, pt, pages, settings.layers)
                     record = run_case(w, case, methods, settings)
                     records.append(record)
+                    if on_record is not None:
+                        on_record(record)
                     figures = ", ".join(f"{n} {m['gbps']:.2f}"
                                         for n, m in record["methods"].items())
                     progress(f"[{i}/{len(combos)}] {direction} {rb} B x {pt} tokens x {pages} "

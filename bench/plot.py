@@ -4,6 +4,8 @@ dashed line."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -11,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.results import load
 from bench.summary import LABELS, largest_cases, methods_of
 
 STYLE = {"bulk": {"color": "black", "linestyle": "--", "linewidth": 2, "marker": None}}
@@ -53,3 +56,15 @@ def plot(data: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__)
+    parser.add_argument("results", type=Path, help="a bench/results/*.json file")
+    args = parser.parse_args(argv)
+    print(plot(load(args.results), args.results.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

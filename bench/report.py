@@ -4,6 +4,7 @@ typed by hand): ``python -m bench.report bench/results/<machine>-<date>.json``."
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -79,10 +80,43 @@ def markdown(data: dict, source: str | None = None) -> str:
                 target = f" — target ≥ {h.target:g}x, {'met' if h.met else 'missed'}"
             out.append(f"- {h.text}: **{fmt_ratio(h.value)}**{target}")
         out.append("")
-    for suite in data.get("suites", {}).values():
-        if isinstance(suite, dict) and suite.get("markdown"):
-            out += [suite["markdown"].rstrip(), ""]
+    for name, suite in data.get("suites", {}).items():
+        out += suite_section(name, suite)
     return "\n".join(out)
+
+
+def _gbps_table(figures: dict[str, float]) -> list[str]:
+    return ["| path | GB/s (median) |", "|---|---:|",
+            *(f"| {k} | {v:.2f} |" for k, v in figures.items()), ""]
+
+
+def suite_section(name: str, suite: dict) -> list[str]:
+    """The markdown of an optional suite's results (``bench_store``, ``bench_mover``)."""
+    if not isinstance(suite, dict):
+        return []
+    if "skipped" in suite or "failed" in suite:
+        return [f"*{name} suite: {suite.get('skipped') or suite.get('failed')}*", ""]
+    command = re.sub(r" --json \S+", "", suite.get("command", ""))
+    out = [f"**{name}** (`{command}`)" if command else f"**{name}**", ""]
+    d = suite.get("describe")
+    if d:
+        out += [f"- descriptors for {d['keys']} keys x {d['layers']} layers ({d['spans']} "
+                f"spans): `describe` is {d['median_speedup_vs_loop']:.1f}x faster than the "
+                f"per-(page, layer) loop and {d['median_ratio_to_floor']:.2f}x the floor "
+                "(the `tolist()` of the finished pointer array), medians", ""]
+    t = suite.get("transfer")
+    if t:
+        out += [f"Store put/get of {t['keys']} objects of {t['object_bytes'] / 2**20:.2f} MiB "
+                f"({t['layers']} spans each) against raw contiguous puts/gets:", ""]
+        out += _gbps_table(t["median_GBps"])
+        out += [f"- put {t['put_ratio']:.2f}x raw, get {t['get_ratio']:.2f}x raw (best of "
+                "repeats)", ""]
+    if "median_GBps" in suite:
+        what = ", ".join(f"{k} {suite[k]}" for k in ("device", "layers", "page_tokens", "pages")
+                         if k in suite)
+        out += [f"End to end ({what}):", "", *_gbps_table(suite["median_GBps"])]
+        out += [f"- {k}: {v:.2f}x" for k, v in suite.get("ratios", {}).items()] + [""]
+    return out
 
 
 def main(argv=None) -> int:

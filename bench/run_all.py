@@ -137,8 +137,11 @@ def main(argv=None) -> int:
     if "kernels" in suites:
         console.rule(f"kernels on {who['title']}: {settings.layers} layers, "
                      f"{settings.repeats} repeats")
-        data["kernels"] = run_kernels(settings, progress=console.print)
-        results.save(data, path)  # kernels first: a failing suite keeps them
+        def keep(record: dict) -> None:  # saved as they come: a cut-short run keeps them
+            data["kernels"].append(record)
+            results.save(data, path)
+
+        run_kernels(settings, progress=console.print, on_record=keep)
     for name in SUITES:
         if name in suites:
             data["suites"][name] = run_suite(name, args.quick, console)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 import kvmove
+from kvmove.host_memory import HostMemory
 
 POISON = 0xA5
 
@@ -30,11 +31,11 @@ class Workload:
                                        device=device, generator=g)
         self.kv = kvmove.KVCache({"kv": self.kv_tensor})
         self.staging = kvmove.StagingBuffer(self.kv, num_slots=max_pages, page_tokens=page_tokens)
-        staging = self.staging.tensor("kv")
-        staging.copy_(torch.randint(0, 256, staging.shape, dtype=torch.uint8,
-                                    generator=torch.Generator().manual_seed(seed + 1)))
+        staging = self.staging.tensor("kv")  # random bytes too, made where it is fastest
+        staging.copy_(torch.randint(0, 256, staging.shape, dtype=torch.uint8, device=device,
+                                    generator=g))
         self._indices: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._mirror: torch.Tensor | None = None
+        self._mirror: HostMemory | None = None
 
     # -- a case ---------------------------------------------------------------------------
     def indices(self, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,9 +63,8 @@ class Workload:
     def mirror(self) -> torch.Tensor:
         """Host memory (pinned on CUDA) shaped like the KV: the CPU-rearrange baseline's."""
         if self._mirror is None:
-            self._mirror = torch.empty(self.kv_tensor.shape, dtype=torch.uint8,
-                                       pin_memory=self.device.type == "cuda")
-        return self._mirror
+            self._mirror = HostMemory(self.kv_tensor.numel(), pin=self.device.type == "cuda")
+        return self._mirror.tensor.view(self.kv_tensor.shape)
 
     # -- checking what a method wrote -----------------------------------------------------
     def poison(self, direction: str, pages: int) -> None:
@@ -88,3 +88,5 @@ class Workload:
 
     def close(self) -> None:
         self.staging.close()
+        if self._mirror is not None:
+            self._mirror.close()

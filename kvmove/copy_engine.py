@@ -1,11 +1,13 @@
 """Copy-engine span copies: many ``(dst, src, nbytes)`` byte spans enqueued in one go.
 
 On CUDA the spans go to the copy engines on the current stream of the given device: one
-``cuMemcpyBatchAsync`` call per batch where the driver has it (CUDA >= 12.8) and the stream
-is not the legacy default stream (which that call refuses), else one ``cudaMemcpyAsync``
-per span. Addresses are the ones the device uses (UVA addresses of pinned host memory);
-the direction of each copy follows from them (``cudaMemcpyDefault``). On the CPU each span
-is a ``memmove``. Spans of one call must not overlap.
+``cuMemcpyBatchAsync`` call per batch where the driver has it (CUDA >= 12.8), else one
+``cudaMemcpyAsync`` per span. The batched call refuses the legacy default stream (torch's
+default): there it goes to the per-thread default stream instead, which the legacy stream
+orders against in both directions, so the copies still run after the work before them
+and before the work after them. Addresses are the ones the device uses (UVA addresses of
+pinned host memory); the direction of each copy follows from them (``cudaMemcpyDefault``).
+On the CPU each span is a ``memmove``. Spans of one call must not overlap.
 
 ``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span copies only).
 """
@@ -29,6 +31,7 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
 _SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
 _LOCATION_HOST = 2  # CU_MEM_LOCATION_TYPE_HOST
+_STREAM_PER_THREAD = 2  # CU_STREAM_PER_THREAD
 
 
 class _MemLocation(ctypes.Structure):
@@ -178,10 +181,10 @@ def copy_spans(dsts, srcs, sizes, *, device: torch.device, src_on_device: bool =
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         use_batch = batch_enabled() if batch is None else batch
-        if use_batch and copier.has_batch and stream != 0 and len(dsts) > 1:
+        if use_batch and copier.has_batch and len(dsts) > 1:
             here = (_LOCATION_DEVICE, device.index or 0)
             there = (_LOCATION_HOST, 0)
-            if copier.batch(dsts, srcs, sizes, stream, here if src_on_device else there,
-                            here if dst_on_device else there):
+            if copier.batch(dsts, srcs, sizes, stream or _STREAM_PER_THREAD,
+                            here if src_on_device else there, here if dst_on_device else there):
                 return -(-len(dsts) // MAX_BATCH)
         return copier.per_span(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)

@@ -50,7 +50,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--steps", type=int, default=400 if on_gpu else 200)
     p.add_argument("--staging-slots", type=int, default=None,
                    help="staging pages (default: enough for one step's traffic)")
-    p.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto")
+    p.add_argument("--backend", choices=["auto", "triton", "torch", "two_hop"], default="auto",
+                   help="row-copy backend (auto: Triton on CUDA, torch on the CPU)")
     p.add_argument("--layerwise", action="store_true",
                    help="prefetch layer by layer (wait_layer) instead of all layers at once")
     p.add_argument("--master", default=None,

@@ -17,7 +17,15 @@ It never outlives its parent:
   short-lived worker. Daemon threads are not joined at interpreter exit, so the spawner lives
   exactly as long as the process;
 - the child runs in its own session, so a terminal's Ctrl-C reaches only the Python process,
-  which then closes its stores before it stops the master.
+  which then closes its stores before it stops the master;
+- ``SIGTERM``: Python's default action ends the process at once, without running
+  finalizers, which would leave the master's log file behind (the master itself still dies
+  with its parent, above). So when the first master is started from the main thread and
+  ``SIGTERM`` still has its default action, a handler is installed that stops this
+  process's masters (``SIGTERM``, then ``SIGKILL``; logs removed), restores the default
+  action and sends ``SIGTERM`` again: the process ends exactly as it would have, by
+  ``SIGTERM``. A handler the application installed (before or after) is never replaced;
+  then only the parent-death signal applies. Forked children do not inherit the masters.
 """
 
 from __future__ import annotations
@@ -198,22 +206,74 @@ def tcp_reachable(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def _stop_process(proc: subprocess.Popen, log_path: str, keep_log: bool, grace: float) -> None:
-    """Terminate, then kill, ``proc``; remove its log unless ``keep_log``."""
+def _exited(proc: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` seconds. Polls (never a blocking
+    ``wait()``), so it is safe inside a signal handler that interrupted a ``wait()``."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _stop_process(proc: subprocess.Popen, log_path: str, keep_log: bool, grace: float,
+                  owner_pid: int | None = None) -> None:
+    """Terminate, then kill, ``proc``; remove its log unless ``keep_log``. Does nothing in a
+    forked child (``owner_pid`` is the process that started ``proc``)."""
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        if not _exited(proc, grace):
             log.warning("mooncake_master pid %d ignored SIGTERM for %.1fs; killing it",
                         proc.pid, grace)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-            proc.wait()
+            if not _exited(proc, 5.0):
+                log.error("mooncake_master pid %d survived SIGKILL for 5 s", proc.pid)
     if not keep_log:
         with contextlib.suppress(OSError):
             os.unlink(log_path)
+
+
+# -- SIGTERM ------------------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # masters started by this process
+_sigterm_installed = False
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Stop this process's masters, then end the process by ``SIGTERM`` as the default
+    action would have."""
+    for master in list(_LIVE):
+        if master._owner_pid == os.getpid():
+            with contextlib.suppress(Exception):
+                master.stop()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    """Install :func:`_on_sigterm` once, from the main thread, only over the default action
+    (see the module docstring)."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            _sigterm_installed = True  # the application's handler stays
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter, or no signals here
+        return
+    _sigterm_installed = True
+    log.debug("installed kvmove's SIGTERM handler (stops embedded masters)")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 def _tail(path: str, lines: int = 20) -> str:
@@ -265,6 +325,9 @@ class EmbeddedMaster:
         os.close(fd)
         self._proc: subprocess.Popen | None = None
         self._finalizer = None
+        self._owner_pid = os.getpid()
+        _install_sigterm_handler()
+        _LIVE.add(self)
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             self.rpc_port, self.metrics_port = _free_ports(host, 2)
             argv = [
@@ -293,7 +356,8 @@ class EmbeddedMaster:
             )
         self._proc = proc
         self._finalizer = weakref.finalize(
-            self, _stop_process, proc, self.log_path, self.keep_log, self.stop_timeout
+            self, _stop_process, proc, self.log_path, self.keep_log, self.stop_timeout,
+            self._owner_pid,
         )
         deadline = time.monotonic() + timeout
         while True:

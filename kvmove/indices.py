@@ -44,30 +44,45 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
     return value
 
 
+def _values(rows: torch.Tensor):
+    """The flat values of an index tensor: a numpy view on the CPU (small arrays cost a
+    fraction of what torch ops do per call), the tensor itself on a device."""
+    flat = rows.reshape(-1)
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
 def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
     """Every entry is ``-1`` or in ``[0, limit)``; else ``IndexError`` with the first bad
     value and its position."""
     if rows.numel() == 0:
         return
-    flat = rows.reshape(-1)
-    bad = (flat < -1) | (flat >= limit)
-    if bool(bad.any()):
-        pos = int(torch.nonzero(bad)[0, 0])
-        raise IndexError(
-            f"{name}[{pos}] = {int(flat[pos])} is out of range: valid values are -1 "
-            f"(skip) and 0..{limit - 1}"
-        )
+    a = _values(rows)
+    if int(a.min()) >= -1 and int(a.max()) < limit:
+        return
+    bad = (a < -1) | (a >= limit)
+    pos = int(np.flatnonzero(bad)[0]) if isinstance(a, np.ndarray) else int(
+        torch.nonzero(bad)[0, 0])
+    raise IndexError(
+        f"{name}[{pos}] = {int(a[pos])} is out of range: valid values are -1 "
+        f"(skip) and 0..{limit - 1}"
+    )
 
 
 def check_unique(rows: torch.Tensor, name: str) -> None:
     """No destination row named twice (``-1`` excepted): the result would depend on order."""
-    flat = rows.reshape(-1)
-    flat = flat[flat >= 0]
-    if flat.numel() < 2:
+    a = _values(rows)
+    if a.shape[0] < 2:
         return
-    uniq, counts = torch.unique(flat, return_counts=True)
-    if int(counts.max()) > 1:
-        dup = int(uniq[counts > 1][0])
+    if isinstance(a, np.ndarray):
+        if bool((a[1:] > a[:-1]).all()):  # strictly increasing: the common case, no sort
+            return
+        kept = np.sort(a[a >= 0])
+        dups = kept[1:][kept[1:] == kept[:-1]]
+        dup = int(dups[0]) if dups.size else None
+    else:
+        uniq, counts = torch.unique(a[a >= 0], return_counts=True)
+        dup = int(uniq[counts > 1][0]) if bool((counts > 1).any()) else None
+    if dup is not None:
         raise ValueError(f"{name} names row/slot {dup} more than once; destinations must be unique")
 
 
@@ -76,7 +91,9 @@ def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
     slots = slots.to(torch.int64)
     t = torch.arange(page_tokens, dtype=torch.int64, device=slots.device)
     rows = slots[:, None] * page_tokens + t[None, :]
-    return torch.where(slots[:, None] == -1, torch.full_like(rows, -1), rows).reshape(-1)
+    if slots.numel() and int(slots.min()) < 0:
+        rows[slots == -1] = -1
+    return rows.reshape(-1)
 
 
 def as_int_array(value, name: str) -> np.ndarray:

@@ -84,7 +84,8 @@ class KVMover:
         self._checksum = PageChecksum(self.staging) if checksum else None
         self.page_tokens = page_tokens
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
-        self.backend = resolve_backend(backend, self.device)
+        resolve_backend(backend, self.device)  # validates; "auto" is resolved per copy
+        self.backend = backend
         self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum)
         self.alloc_timeout = alloc_timeout
         self.check = check
@@ -104,15 +105,19 @@ class KVMover:
         or done (CPU); ``Transfer.gathered`` tells when the KV rows may be overwritten."""
         keys, token_pages = self._check_call(keys, token_pages)
         slots = self._alloc(len(keys))
+        gathered = None
         try:
             desc = self._describe(slots, keys, valid_tokens)
             t0 = time.perf_counter()
             gathered = self._gather(token_pages, slots)
             gather_s = time.perf_counter() - t0
+            future = self._submit(self._put_job, desc, slots, gathered, gather_s,
+                                  valid_tokens)
         except BaseException:
+            if gathered is not None:  # a CUDA gather may still be writing into the slots
+                gathered.synchronize()
             self.staging.free(slots)
             raise
-        future = self._submit(self._put_job, desc, slots, gathered, gather_s, valid_tokens)
         return Transfer(keys, future, kind="evict", num_layers=self.kv.max_layers,
                         gathered=gathered)
 
@@ -128,15 +133,15 @@ class KVMover:
             check_range(token_pages, self.kv.num_slots, "token_pages")
             check_unique(token_pages, "token_pages")
         slots = self._alloc(len(keys))
+        transfer_box: list[Transfer] = []
+        ready = threading.Event()
         try:
             desc = self._describe(slots, keys, valid_tokens)
+            future = self._submit(self._get_job, desc, slots, token_pages, layerwise,
+                                  valid_tokens, transfer_box, ready)
         except BaseException:
             self.staging.free(slots)
             raise
-        transfer_box: list[Transfer] = []
-        ready = threading.Event()
-        future = self._submit(self._get_job, desc, slots, token_pages, layerwise,
-                              valid_tokens, transfer_box, ready)
         transfer = Transfer(keys, future, kind="prefetch", num_layers=self.kv.max_layers)
         transfer_box.append(transfer)
         ready.set()
@@ -153,11 +158,16 @@ class KVMover:
             return len(self._inflight)
 
     def close(self) -> None:
-        """Wait for in-flight transfers, unregister and free the staging. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Wait for in-flight transfers, then unregister and free the staging. Idempotent.
+
+        Calls racing with ``close()`` either run to the end before it returns or raise
+        :class:`KVMoveError` (their staging slots returned); the staging is unregistered only
+        after every transfer has ended, so the store never refuses the unregister."""
+        with self._lock:
+            first, self._closed = not self._closed, True
         self._executor.shutdown(wait=True)
+        if not first:
+            return
         unregister = getattr(self.store, "unregister", None)
         if unregister is not None:
             try:
@@ -231,8 +241,12 @@ class KVMover:
         return event
 
     def _submit(self, fn, *args) -> Future:
-        future = self._executor.submit(fn, *args)
+        """Queue a background job, unless the mover was closed meanwhile (then the caller
+        frees its slots and the call raises ``KVMoveError``)."""
         with self._lock:
+            if self._closed:
+                raise KVMoveError("the KVMover is closed")
+            future = self._executor.submit(fn, *args)
             self._inflight.add(future)
         future.add_done_callback(self._forget)
         return future

@@ -9,7 +9,7 @@ class Status(enum.Enum):
     """Outcome of one key of a put, get or remove."""
 
     OK = "ok"
-    MISS = "miss"  # get / remove: no such key
+    MISS = "miss"  # get / remove: no such key (or its put has not finished yet)
     EXISTS = "exists"  # put: key already stored; the stored object is kept
     NO_SPACE = "no_space"  # put: the store has no room
     SIZE_MISMATCH = "size_mismatch"  # get: stored object is not the described size
@@ -23,6 +23,7 @@ class Status(enum.Enum):
 # Mooncake error codes (mooncake-transfer-engine 0.3.13, DESIGN.md "Mooncake facts").
 NO_SPACE_CODES = frozenset({-200})
 INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703  # the key's put has not finished yet
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
@@ -39,6 +40,7 @@ CODE_NAMES = {
     CLIENT_EXCEPTION: "INTERNAL_ERROR",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
+    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
     OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
     OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
     OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",

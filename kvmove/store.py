@@ -18,11 +18,12 @@ Statuses (API.md "The store"):
   reported ``EXISTS`` with code ``-705`` and are not put again. Two writers racing on one
   new key may both see ``OK``; the first object is kept.
 - ``get``: a result equal to the described size -> ``OK`` (nothing else counts as a hit);
-  ``-704`` -> ``MISS``; another non-negative size -> ``SIZE_MISMATCH``; ``-600`` (the
-  destination is smaller than the object) and ``-800`` (TRANSFER_FAIL, which 0.3.13 also
-  answers when the destination is *larger*) are told apart from a real failure by asking
-  ``get_size(key)``: a stored size other than the described one -> ``SIZE_MISMATCH``; the
-  key gone -> ``MISS``; otherwise ``FAILED``.
+  ``-704`` -> ``MISS``; ``-703`` (REPLICA_IS_NOT_READY: a put of the key has started and not
+  finished, so there is no object to read yet) -> ``MISS``; another non-negative size ->
+  ``SIZE_MISMATCH``; ``-600`` (the destination is smaller than the object) and ``-800``
+  (TRANSFER_FAIL, which 0.3.13 also answers when the destination is *larger*) are told apart
+  from a real failure by asking ``get_size(key)``: a stored size other than the described
+  one -> ``SIZE_MISMATCH``; the key gone -> ``MISS``; otherwise ``FAILED``.
 - ``remove``: ``0`` -> ``OK``; ``-704`` -> ``MISS``; anything else (``-706``: the key was
   read within the lease time and ``force`` was not given) -> ``FAILED``.
 - ``-707`` (lease expired during the transfer) is retried once for put and get.
@@ -43,8 +44,17 @@ Large batches are split into calls of at most ``config.max_batch_keys`` keys.
 Threads: Mooncake's client is thread-safe and releases the GIL. The store's own lock guards
 only its bookkeeping (registered regions, the open/closed state, the count of calls in
 flight) and is never held across a Mooncake data call, so puts and gets from several threads
-run concurrently. ``register``/``unregister`` are serialised among themselves. ``close()``
-waits for the calls in flight, then rejects new ones with ``StoreError``.
+run concurrently. ``register``/``unregister`` are serialised among themselves. Each put and
+get counts itself as a user of the registered regions its spans live in while it runs, and
+``unregister`` of a region in use raises ``StoreError`` (nothing is unregistered) instead of
+pulling memory from under a transfer. ``close()`` waits for the calls in flight, then rejects
+new ones with ``StoreError``.
+
+A master that restarts (on the same address) needs nothing from the caller: Mooncake's
+client reconnects by itself. Calls while it is down end ``FAILED`` per key; within about a
+second of its return the client has mounted its segment again (calls in that second may
+still answer ``FAILED``, puts ``NO_SPACE``); objects stored before the restart are gone and
+read back as ``MISS``.
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from kvmove.describe import Descriptors, check_keys
 from kvmove.embedded_master import EmbeddedMaster, tcp_reachable
 from kvmove.errors import StoreError
@@ -66,6 +78,7 @@ from kvmove.status import (
     NO_SPACE_CODES,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
+    REPLICA_IS_NOT_READY,
     RPC_FAIL,
     RPC_TIMEOUT,
     TRANSFER_FAIL,
@@ -142,6 +155,7 @@ class _ClientState:
         self.client = client
         self.master = master
         self.registered: dict[int, int] = {}  # address -> nbytes
+        self.in_use: Counter = Counter()  # address -> put/get calls using the region now
         self.stale: deque = deque()  # regions of garbage-collected staging buffers
 
 
@@ -348,37 +362,44 @@ class MooncakeStore:
         once it is garbage-collected, and a registered region that overlaps a new one (so
         its memory was freed and reused) is unregistered before the new one is registered.
         """
-        with self._call_slot() as client:
+        with self._call_slot() as client, self._register_lock:
             self._register(client, staging)
 
     def _register(self, client, staging) -> None:
+        """Register the regions of ``staging`` that are not registered yet. The caller holds
+        ``_register_lock``."""
         regions = self._regions_of(staging)
         state = self._state
-        with self._register_lock:
-            self._drop_stale(client)
-            added = False
-            for address, nbytes in regions:
-                if state.registered.get(address) == nbytes:
-                    continue
-                for old, size in list(state.registered.items()):
-                    if old < address + nbytes and address < old + size:  # freed memory
-                        client.unregister_buffer(old)
-                        del state.registered[old]
-                        log.debug("unregistered stale region %#x + %d", old, size)
-                rc = client.register_buffer(address, nbytes)
-                if rc != 0:
-                    raise StoreError(
-                        f"register_buffer({address:#x}, {nbytes}) failed with code {rc} "
-                        f"({code_name(rc)})"
-                    )
-                state.registered[address] = nbytes
-                added = True
-                log.debug("registered %#x + %d", address, nbytes)
-            if added and hasattr(staging, "regions"):
-                # Forget the regions when the staging dies: the finalizer only queues them
-                # (it may run inside any allocation, even with the lock held here).
-                with contextlib.suppress(TypeError):
-                    weakref.finalize(staging, state.stale.append, tuple(regions))
+        self._drop_stale(client)
+        added = False
+        for address, nbytes in regions:
+            if state.registered.get(address) == nbytes:
+                continue
+            for old, size in list(state.registered.items()):
+                if old < address + nbytes and address < old + size:  # freed memory
+                    if state.in_use[old]:
+                        raise StoreError(
+                            f"cannot register {address:#x} + {nbytes}: it overlaps the "
+                            f"registered region {old:#x} + {size}, which "
+                            f"{state.in_use[old]} put/get call(s) are using"
+                        )
+                    client.unregister_buffer(old)
+                    del state.registered[old]
+                    log.debug("unregistered stale region %#x + %d", old, size)
+            rc = client.register_buffer(address, nbytes)
+            if rc != 0:
+                raise StoreError(
+                    f"register_buffer({address:#x}, {nbytes}) failed with code {rc} "
+                    f"({code_name(rc)})"
+                )
+            state.registered[address] = nbytes
+            added = True
+            log.debug("registered %#x + %d", address, nbytes)
+        if added and hasattr(staging, "regions"):
+            # Forget the regions when the staging dies: the finalizer only queues them
+            # (it may run inside any allocation, even with the lock held here).
+            with contextlib.suppress(TypeError):
+                weakref.finalize(staging, state.stale.append, tuple(regions))
 
     def _drop_stale(self, client) -> None:
         """Unregister regions of staging buffers that were garbage-collected."""
@@ -390,9 +411,19 @@ class MooncakeStore:
                     client.unregister_buffer(address)
 
     def unregister(self, staging) -> None:
-        """Unregister the regions of ``staging`` (no transfer may be using them)."""
+        """Unregister the regions of ``staging``. Raises :class:`kvmove.StoreError`, and
+        unregisters nothing, while a put or get is using one of them (wait for the
+        transfers first: ``KVMover.close()`` does)."""
         regions = self._regions_of(staging)
         with self._call_slot() as client, self._register_lock:
+            in_use = self._state.in_use
+            busy = [(a, in_use[a]) for a, _ in regions if in_use[a]]
+            if busy:
+                address, calls = busy[0]
+                raise StoreError(
+                    f"cannot unregister the staging region {address:#x}: {calls} put/get "
+                    f"call(s) in flight are using it (wait for the transfers to end first)"
+                )
             for address, _ in regions:
                 if self._state.registered.pop(address, None) is not None:
                     rc = client.unregister_buffer(address)
@@ -405,10 +436,41 @@ class MooncakeStore:
         with self._register_lock:
             return list(self._state.registered.items())
 
-    def _ensure_registered(self, client, desc: Descriptors) -> None:
-        registered = self._state.registered
-        if self._state.stale or any(registered.get(a) != n for a, n in desc.regions):
-            self._register(client, desc.staging if desc.staging is not None else desc.regions)
+    def regions_in_use(self) -> dict[int, int]:
+        """``{address: calls}``: the registered regions that put/get calls are using now."""
+        with self._register_lock:
+            return {a: n for a, n in self._state.in_use.items() if n}
+
+    @contextlib.contextmanager
+    def _using(self, client, desc: Descriptors):
+        """Register the memory of ``desc`` if needed, and count this call as a user of its
+        registered regions until the block ends (``unregister`` refuses them meanwhile)."""
+        state = self._state
+        with self._register_lock:
+            registered = state.registered
+            if state.stale or any(registered.get(a) != n for a, n in desc.regions):
+                self._register(client, desc.staging if desc.staging is not None
+                               else desc.regions)
+            used = [a for a, _ in desc.regions] or self._regions_touched(desc)
+            for address in used:
+                state.in_use[address] += 1
+        try:
+            yield
+        finally:
+            with self._register_lock:
+                for address in used:
+                    state.in_use[address] -= 1
+                    if not state.in_use[address]:
+                        del state.in_use[address]
+
+    def _regions_touched(self, desc: Descriptors) -> list[int]:
+        """The registered regions that spans of ``desc`` start in (for descriptors built
+        from lists, which name no regions). The caller holds ``_register_lock``."""
+        if not desc.ptrs or not self._state.registered:
+            return []
+        starts = np.fromiter((p for row in desc.ptrs for p in row), dtype=np.uint64)
+        return [a for a, n in self._state.registered.items()
+                if bool(((starts >= a) & (starts < a + n)).any())]
 
     # -- calls -----------------------------------------------------------------------------
     def _batch(self, fn: Callable, keys: list[str], *args) -> list[int]:
@@ -459,8 +521,7 @@ class MooncakeStore:
         is reported ``OK`` (Mooncake keeps the stored object either way)."""
         desc = self._check_desc(desc)
         check = self.config.detect_exists if detect_exists is None else bool(detect_exists)
-        with self._call_slot() as client:
-            self._ensure_registered(client, desc)
+        with self._call_slot() as client, self._using(client, desc):
             codes = self._chunked(len(desc),
                                   lambda c: self._put_chunk(client, desc[c], check))
         result = StoreResult(map(_put_status, codes), codes)
@@ -493,8 +554,7 @@ class MooncakeStore:
         ``FAILED`` otherwise. ``.codes`` holds Mooncake's results (byte counts or codes)."""
         desc = self._check_desc(desc)
         expected = desc.object_sizes()
-        with self._call_slot() as client:
-            self._ensure_registered(client, desc)
+        with self._call_slot() as client, self._using(client, desc):
             codes = self._chunked(len(desc), lambda c: self._get_chunk(client, desc[c]))
             if codes == expected:  # the common case: every key read in full
                 statuses = [Status.OK] * len(codes)
@@ -525,7 +585,7 @@ class MooncakeStore:
             return Status.OK
         if code >= 0:
             return Status.SIZE_MISMATCH
-        if code == OBJECT_NOT_FOUND:
+        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return Status.MISS
         if code in (INVALID_PARAMS, TRANSFER_FAIL):
             try:

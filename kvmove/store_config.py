@@ -28,6 +28,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
 __all__ = ["StoreConfig", "parse_size"]
 
@@ -37,7 +38,16 @@ DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20  # SGLang's: the zero-copy API needs no loc
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
           "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.ASCII)
+MAX_SIZE = (1 << 63) - 1  # what Mooncake's int64/size_t arguments can hold
+
+# Hosts: a name or IPv4 address, or an IPv6 address in brackets; ASCII only.
+# (All of these are used with fullmatch: ``$`` would also match before a final newline.)
+_HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+(?:%\w+)?\]",
+                   re.ASCII)
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
+_PROTOCOL = re.compile(r"[a-z][a-z0-9_]*", re.ASCII)
+_NO_SPACE_OR_CONTROL = re.compile(r"[^\s\x00-\x1f\x7f]*")
 
 # Environment variable -> field.
 ENV_VARS = {
@@ -70,20 +80,31 @@ def parse_size(value, name: str = "size") -> int:
                 f"{name} = {value!r} is not a size; use bytes or a number with a unit "
                 f"(e.g. 4294967296, '4gb', '512mb')"
             )
-        result = int(float(m.group(1)) * _UNITS[m.group(2)])
+        exact = Fraction(m.group(1)) * _UNITS[m.group(2)]
+        if exact.denominator != 1 and _UNITS[m.group(2)] == 1:
+            raise ValueError(f"{name} = {value!r} is not a whole number of bytes")
+        result = int(exact)
     else:
         raise ValueError(f"{name} must be a byte count, got {type(value).__name__} {value!r}")
     if result < 0:
         raise ValueError(f"{name} = {value!r} must not be negative")
+    if result > MAX_SIZE:
+        raise ValueError(f"{name} = {value!r} is larger than {MAX_SIZE} bytes")
     return result
 
 
 def _parse_address(value, name: str) -> str:
+    """``value`` stripped, after checking it is ``host:port`` (a host name or IPv4 address,
+    or an IPv6 address in brackets; a port 1..65535)."""
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a 'host:port' string, got {value!r}")
     host, sep, port = value.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{name} = {value!r} is not a 'host:port' address")
+    if (not sep or not _HOST.fullmatch(host) or not _PORT.fullmatch(port)
+            or not 0 < int(port) < 65536):
+        raise ValueError(
+            f"{name} = {value!r} is not a 'host:port' address (a host name or IPv4 address, "
+            f"or [IPv6] in brackets, then a port 1..65535; no scheme, path or spaces)"
+        )
     return value.strip()
 
 
@@ -130,10 +151,30 @@ class StoreConfig:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
             set_(self, name, value.strip())
         set_(self, "protocol", self.protocol.lower())
+        if not _PROTOCOL.fullmatch(self.protocol):
+            raise ValueError(
+                f"protocol must be a Mooncake transport name such as 'tcp' or 'rdma', "
+                f"got {self.protocol!r}"
+            )
+        name, _, port = self.local_hostname.rpartition(":")
+        host = self.local_hostname
+        if not _HOST.fullmatch(host) and not (_HOST.fullmatch(name) and _PORT.fullmatch(port)):
+            raise ValueError(
+                f"local_hostname must be a host name or IP address (optionally ':port'), "
+                f"got {host!r}"
+            )
         if self.rdma_devices is None:
             set_(self, "rdma_devices", "")
         if not isinstance(self.rdma_devices, str):
             raise ValueError(f"rdma_devices must be a string, got {self.rdma_devices!r}")
+        set_(self, "rdma_devices", self.rdma_devices.strip())
+        for name in ("metadata_server", "rdma_devices"):
+            if not _NO_SPACE_OR_CONTROL.fullmatch(getattr(self, name)):
+                raise ValueError(
+                    f"{name} must not contain spaces or control characters, got "
+                    f"{getattr(self, name)!r}"
+                    + (" (list devices as 'mlx5_0,mlx5_1')" if name == "rdma_devices" else "")
+                )
         for name in ("global_segment_size", "local_buffer_size"):
             set_(self, name, parse_size(getattr(self, name), name))
         for name in ("replica_count", "max_batch_keys"):
@@ -200,6 +241,8 @@ class StoreConfig:
         values: dict = {}
         for var, name in ENV_VARS.items():
             raw = env.get(var)
+            if raw is not None and not isinstance(raw, str):
+                raise ValueError(f"environment variable {var} must be a string, got {raw!r}")
             if raw is not None and raw.strip():
                 values[name] = cls._parse_env(name, raw, var)
         values.update(overrides)

@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ BLOCK_BYTES = (128, 256, 512, 1024, 2048, 4096, 8192)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 WARPS = (1, 2, 4, 8, 16)
 PROGRAM_CAPS = (4, 8, 16, 32, 64, 132)
+# --quick: fewer values (each new combination is a Triton compile, about a second).
+QUICK_AXES = {"rows": (2, 4, 8, 16, 32), "num_warps": (2, 4, 8)}
 MAX_TILE_BYTES = 64 << 10  # rows * block bytes held by one program step
 
 
@@ -159,7 +162,11 @@ def user_table(gpu_name: str) -> TunedTable:
             table = _user_tables.get(slug)
             if table is None:
                 path = cache_path(gpu_name)
-                table = configs.tuned_table_from_json(read_cache(path))
+                try:
+                    table = configs.tuned_table_from_json(read_cache(path))
+                except (TypeError, ValueError, AttributeError) as e:
+                    log.warning("ignoring the malformed tuning cache %s: %s", path, e)
+                    table = TunedTable()
                 configs.register_table(table, gpu_name)
                 _user_tables[slug] = table
                 if table.configs:
@@ -254,13 +261,15 @@ def start_config(row_bytes: int, max_programs: int) -> LaunchConfig:
 
 
 def search(measure: Callable[[LaunchConfig], float], row_bytes: int, *, max_programs: int,
-           passes: int = 2) -> tuple[LaunchConfig, dict[LaunchConfig, float]]:
+           passes: int = 2, quick: bool = False) -> tuple[LaunchConfig, dict[LaunchConfig, float]]:
     """Coordinate descent over the launch parameters: starting at the class default, try
     every value of one parameter with the others fixed, keep the fastest, go on to the next
-    parameter; ``passes`` rounds. ``measure(config)`` returns seconds. Returns the best
-    config and every timing taken."""
+    parameter; ``passes`` rounds (fewer values with ``quick``). ``measure(config)`` returns
+    seconds. Returns the best config and every timing taken."""
     axes = {"block_bytes": BLOCK_BYTES, "rows": ROWS, "num_warps": WARPS,
             "max_programs": PROGRAM_CAPS}
+    if quick:
+        axes.update(QUICK_AXES)
     seen: dict[LaunchConfig, float] = {}
 
     def time_of(config: LaunchConfig) -> float:
@@ -368,7 +377,7 @@ def tune_key(device: torch.device, direction: str, row_bytes: int, page_tokens: 
     try:
         run = work.launcher(direction)
         best, seen = search(lambda c: bench_seconds(lambda: run(c), quick=quick), row_bytes,
-                            max_programs=max_programs, passes=1 if quick else 2)
+                            max_programs=max_programs, passes=1 if quick else 2, quick=quick)
         start = start_config(row_bytes, max_programs)
         result = KeyResult(
             key=key, direction=direction, row_bytes=row_bytes, page_tokens=page_tokens,
@@ -406,7 +415,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--max-programs", type=int, default=configs.DEFAULT_MAX_PROGRAMS,
                         help="largest programs cap to try (the engine needs the other SMs)")
-    parser.add_argument("--quick", action="store_true", help="one search pass, shorter timings")
+    parser.add_argument("--quick", action="store_true",
+                        help="one search pass over fewer values, shorter timings")
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="seconds after which no further key is started (0: no limit); "
+                             "keys run in the order given")
     parser.add_argument("--no-paths", action="store_true",
                         help="skip the direct against two-hop comparison")
     parser.add_argument("--device", type=int, default=None, help="CUDA device index")
@@ -451,12 +464,17 @@ def tune_main(argv=None) -> int:
                           else args.device)
     gpu_name = torch.cuda.get_device_name(device)
     shapes: dict[str, tuple[str, int, int]] = {}
-    for direction in args.direction:
-        for rb in args.row_bytes:
-            for pt in args.page_tokens:
+    for rb in args.row_bytes:  # the order given: the most wanted shapes first
+        for pt in args.page_tokens:
+            for direction in args.direction:
                 shapes.setdefault(configs.config_key(direction, rb, pt), (direction, rb, pt))
     results = []
+    started = time.monotonic()
     for i, (key, (direction, rb, pt)) in enumerate(shapes.items(), 1):
+        if args.time_limit and time.monotonic() - started > args.time_limit:
+            print(f"time limit of {args.time_limit:.0f} s reached: not tuned: "
+                  f"{', '.join(list(shapes)[i - 1:])}", flush=True)
+            break
         log.info("[%d/%d] tuning %s (%d-byte rows, %d-token pages)", i, len(shapes), key, rb, pt)
         r = tune_key(device, direction, rb, pt, quick=args.quick, layers=args.layers,
                      max_programs=args.max_programs, compare_paths=not args.no_paths)

@@ -74,3 +74,11 @@ def build_cache(specs, num_slots, seed=0) -> kvmove.KVCache:
         name: make_layers(layers, num_slots, rb, dt, pitch_pad=pad, stacked=stk, seed=seed + i)
         for i, (name, layers, rb, dt, pad, stk) in enumerate(specs)
     })
+
+
+def fill_random(staging: kvmove.StagingBuffer, seed: int) -> None:
+    """Fill every staging tensor with random bytes (so that untouched rows are checkable)."""
+    g = torch.Generator().manual_seed(seed)
+    for name in staging.buffer_names:
+        t = staging.tensor(name)
+        t.copy_(random_bytes(t.shape, torch.uint8, g))

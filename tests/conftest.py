@@ -25,3 +25,10 @@ def keyspace():
     """A function ``keyspace(n) -> list[str]`` of ``n`` keys unique to this test."""
     prefix = uuid.uuid4().hex[:12]
     return lambda n, tag="k": [f"{prefix}/{tag}{i}" for i in range(n)]
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Kernels run on the CPU through the Triton interpreter: set per test, never globally
+    (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

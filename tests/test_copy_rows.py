@@ -10,24 +10,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from tests.caches import assert_same, buffer_specs, build_cache, random_bytes, snapshot
+from tests.caches import (
+    assert_same,
+    buffer_specs,
+    build_cache,
+    fill_random,
+    snapshot,
+)
 
 BACKENDS = ["torch", "triton"]
 SETTINGS = settings(max_examples=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch):
-    """Kernels run on the CPU through the Triton interpreter (set per test, never globally)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def fill_random(staging: kvmove.StagingBuffer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name in staging.buffer_names:
-        t = staging.tensor(name)
-        t.copy_(random_bytes(t.shape, torch.uint8, g))
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 @st.composite

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from kvmove import StoreConfig
+from kvmove import MooncakeStore, StoreConfig
 from kvmove.store_config import parse_size
 
 
@@ -39,12 +41,77 @@ def test_from_env_defaults_and_overrides():
         ("MOONCAKE_MASTER", "no-port"),
         ("MOONCAKE_MASTER", "host:99999"),
         ("MOONCAKE_LOCAL_BUFFER_SIZE", "1.5 bananas"),
+        # addresses: a scheme, a path, spaces, non-ASCII digits, a newline inside, an
+        # IPv6 address without brackets, shell metacharacters, no host, port 0
+        ("MOONCAKE_MASTER", "http://10.0.0.5:50051"),
+        ("MOONCAKE_MASTER", "10.0.0.5:50051/x"),
+        ("MOONCAKE_MASTER", "my host:50051"),
+        ("MOONCAKE_MASTER", "h:\u0665\u0660"),
+        ("MOONCAKE_MASTER", "h\n:1"),
+        ("MOONCAKE_MASTER", "::1:50051"),
+        ("MOONCAKE_MASTER", "h:1;rm -rf /"),
+        ("MOONCAKE_MASTER", ":50051"),
+        ("MOONCAKE_MASTER", "h:0"),
+        # transports, devices, metadata servers, hostnames
+        ("MOONCAKE_PROTOCOL", "carrier pigeon"),
+        ("MOONCAKE_PROTOCOL", "rdma;ls"),
+        ("MOONCAKE_PROTOCOL", "tcp\x00"),
+        ("MOONCAKE_DEVICE", "mlx5_0, mlx5_1"),
+        ("MOONCAKE_DEVICE", "mlx5_0\nmlx5_1"),
+        ("MOONCAKE_TE_META_DATA_SERVER", "etcd://a b:2379"),
+        ("MOONCAKE_TE_META_DATA_SERVER", "P2P\x07HANDSHAKE"),
+        ("MOONCAKE_LOCAL_HOSTNAME", "my host"),
+        ("MOONCAKE_LOCAL_HOSTNAME", "h;touch x"),
+        ("MOONCAKE_LOCAL_HOSTNAME", "h:port"),
+        # sizes: not numbers, floats, hex, non-ASCII digits, fractions of a byte, too large
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "nan"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "inf"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "1e9"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "0x10"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "\u0661\u0660"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "1.5"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "99999999999999999999tb"),
+        ("MOONCAKE_LOCAL_BUFFER_SIZE", "-5mb"),
     ],
 )
 def test_malformed_env_value_names_the_variable(var, value):
     env = {"MOONCAKE_MASTER": "m:1", var: value}
     with pytest.raises(ValueError, match=var):
         StoreConfig.from_env(env)
+
+
+def test_malformed_env_value_fails_before_any_connection():
+    # MooncakeStore.from_env checks the variables before it probes the master.
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="MOONCAKE_GLOBAL_SEGMENT_SIZE"):
+        MooncakeStore.from_env({"MOONCAKE_MASTER": "127.0.0.1:1",
+                                "MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"})
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(ValueError, match="MOONCAKE_PROTOCOL"):
+        StoreConfig.from_env({"MOONCAKE_MASTER": "m:1", "MOONCAKE_PROTOCOL": 7})
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "field", "parsed"),
+    [
+        ("MOONCAKE_MASTER", "[::1]:50051", "master_address", "[::1]:50051"),
+        ("MOONCAKE_MASTER", " node-1.cluster.local:50051 ", "master_address",
+         "node-1.cluster.local:50051"),
+        ("MOONCAKE_TE_META_DATA_SERVER", "etcd://10.0.0.1:2379", "metadata_server",
+         "etcd://10.0.0.1:2379"),
+        ("MOONCAKE_TE_META_DATA_SERVER", "http://h:8080/metadata", "metadata_server",
+         "http://h:8080/metadata"),
+        ("MOONCAKE_LOCAL_HOSTNAME", "10.0.0.7:12345", "local_hostname", "10.0.0.7:12345"),
+        ("MOONCAKE_LOCAL_HOSTNAME", "[fe80::1]", "local_hostname", "[fe80::1]"),
+        ("MOONCAKE_PROTOCOL", "NVLink", "protocol", "nvlink"),
+        ("MOONCAKE_DEVICE", "mlx5_0,mlx5_1", "rdma_devices", "mlx5_0,mlx5_1"),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "0.5gb", "global_segment_size", 1 << 29),
+        ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "", "global_segment_size", 4 << 30),  # unset
+    ],
+)
+def test_well_formed_env_values_are_accepted(var, value, field, parsed):
+    env = {"MOONCAKE_MASTER": "m:1", var: value}
+    assert getattr(StoreConfig.from_env(env), field) == parsed
 
 
 def test_missing_master_names_the_variable():

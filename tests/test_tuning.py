@@ -138,6 +138,14 @@ def test_unreadable_cache_is_ignored_with_a_warning(caplog):
     assert configs.pick("gather", 656, 64, GPU) == configs.default_config(656)
 
 
+def test_malformed_cache_entries_are_ignored_with_a_warning(caplog):
+    write_json(tuning.cache_path(GPU), {"configs": {"gather/small/p64": {"warps": 4}}})
+    with caplog.at_level(logging.WARNING, logger="kvmove.tuning"):
+        tuning.prepare(GPU, torch.device("cpu"), "gather", 656, 64)
+    assert "malformed" in caplog.text
+    assert configs.pick("gather", 656, 64, GPU) == configs.default_config(656)
+
+
 def test_results_merge_into_the_cache_file(tmp_path):
     path = tmp_path / "out" / "t.json"
     tuning.write_results(path, GPU, [fake_result("gather/small/p64")])
@@ -192,3 +200,14 @@ def test_shipped_tables_parse():
             assert direction in tuning.DIRECTIONS
             assert rows in tuning.CLASS_ROW_BYTES and tokens in tuning.CLASS_PAGE_TOKENS
         assert set(parsed.paths.values()) <= set(configs.PATHS)
+
+
+def test_quick_search_tries_fewer_values():
+    seen_quick = tuning.search(lambda c: 1.0 + c.rows + c.num_warps, 656, max_programs=16,
+                               quick=True)[1]
+    seen_full = tuning.search(lambda c: 1.0 + c.rows + c.num_warps, 656, max_programs=16)[1]
+    assert {c.rows for c in seen_quick} <= set(tuning.QUICK_AXES["rows"]) | {
+        tuning.start_config(656, 16).rows}
+    assert {c.num_warps for c in seen_quick} <= set(tuning.QUICK_AXES["num_warps"]) | {
+        tuning.start_config(656, 16).num_warps}
+    assert len(seen_quick) < len(seen_full)

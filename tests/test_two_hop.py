@@ -20,23 +20,19 @@ from kvmove.copy import resolve_backend
 from kvmove.copy_engine import copy_spans
 from kvmove.device_ring import ENV_RING_BYTES, ring_for
 from kvmove.two_hop import copy_rows_two_hop, host_spans
-from tests.caches import assert_same, buffer_specs, build_cache, random_bytes, snapshot
+from tests.caches import (
+    assert_same,
+    buffer_specs,
+    build_cache,
+    fill_random,
+    snapshot,
+)
 
 SETTINGS = settings(max_examples=20, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch):
-    """Kernels run on the CPU through the Triton interpreter (set per test, never globally)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def fill_random(staging: kvmove.StagingBuffer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name in staging.buffer_names:
-        t = staging.tensor(name)
-        t.copy_(random_bytes(t.shape, torch.uint8, g))
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 @st.composite

@@ -1,0 +1,97 @@
+"""The benchmark suite runs end to end on a tiny grid (each kvmove method's bytes are
+checked inside it), and its report, table and plot come from the results file alone."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench import baselines, report, run_all, summary
+from bench.cases import Case, Settings, page_counts
+from bench.results import load
+from bench.workload import Workload
+
+
+def test_run_all_writes_results_plot_and_report(tmp_path, capsys):
+    argv = ["--only", "kernels", "--device", "cpu", "--row-bytes", "132", "656",
+            "--page-tokens", "1", "16", "--pages", "8", "--layers", "2", "--repeats", "2",
+            "--warmup", "0", "--max-calls", "50", "--out", str(tmp_path)]
+    assert run_all.main(argv) == 0
+    [path] = tmp_path.glob("cpu-*.json")
+    data = load(path)
+    assert path.with_suffix(".png").stat().st_size > 0
+    assert len(data["kernels"]) == 2 * 2 * 2  # row sizes x page sizes x directions
+    for r in data["kernels"]:
+        assert {"torch", "two_hop", "bulk", "primitive", "memcpy_page", "memcpy_row"} <= set(
+            r["methods"])
+        assert all(m["gbps"] > 0 and len(m["samples_s"]) == 2 for m in r["methods"].values())
+        calls = min(50, r["pages"] * r["page_tokens"] * r["layers"])  # the loop is capped
+        assert r["methods"]["memcpy_row"]["bytes"] == calls * r["row_bytes"]
+    md = report.markdown(data, source=str(path))
+    assert data["machine"]["title"] in md and "| row B |" in md
+    assert "torch gather vs a plain per-layer index_select" in md
+    out = capsys.readouterr().out
+    assert "vs bulk copy" in out and "results:" in out
+
+
+def fake_results() -> dict:
+    def record(direction, rb, pt, pages, **gbps):
+        return {"direction": direction, "row_bytes": rb, "page_tokens": pt, "pages": pages,
+                "layers": 2, "bytes": 1000,
+                "methods": {n: {"kind": "kvmove" if n in ("torch", "two_hop") else "baseline",
+                                "gbps": v, "bytes": 1000, "median_s": 1000 / v / 1e9}
+                            for n, v in gbps.items()}}
+    return {
+        "schema": "kvmove-bench/1", "created": "2026-12-02T00:00:00+00:00",
+        "command": "python -m bench.run_all", "suites": {},
+        "machine": {"title": "Test CPU, 2 cores (no GPU)", "gpu": None, "cpu": "Test CPU",
+                    "cores": 2, "torch": "x", "triton": "y", "cuda": None},
+        "settings": {"layers": 2, "repeats": 3, "warmup": 1},
+        "kernels": [
+            record("gather", 656, 64, 256, torch=9.0, primitive=10.0, bulk=12.0, memcpy_row=0.5),
+            record("gather", 656, 64, 1024, torch=8.0, primitive=10.0, bulk=10.0, memcpy_row=1),
+            record("scatter", 656, 64, 1024, torch=5.0, primitive=1.0, bulk=10.0, memcpy_row=1),
+        ],
+    }
+
+
+def test_headlines_and_ratios_come_from_the_records():
+    data = fake_results()
+    heads = {h.text.split(" (")[0]: h for h in summary.headlines(data)}
+    gather = heads["torch gather vs a plain per-layer index_select"]
+    assert abs(gather.value - 0.85) < 1e-9 and gather.met is False  # median of 0.9, 0.8
+    assert heads["torch scatter vs a plain per-layer index_copy_"].met is True
+    assert abs(heads["torch gather vs memcpy per row, 656-byte rows"].value - 13.0) < 1e-9
+    assert heads["torch gather vs bulk copy, 656-byte rows"].target is None  # a fact
+    [largest] = [r for r in summary.largest_cases(data["kernels"])
+                 if r["direction"] == "gather"]
+    assert largest["pages"] == 1024
+    md = report.markdown(data)
+    assert "| 656 | 64 | 1024 | 8.00 |" in md  # generated from the record, not typed
+    assert "missed" in md and "met" in md
+
+
+def test_report_command_prints_markdown(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(fake_results()))
+    assert report.main([str(path)]) == 0
+    assert capsys.readouterr().out.startswith("### Performance on Test CPU")
+
+
+def test_byte_cap_keeps_the_smallest_page_count():
+    s = Settings.defaults(torch.device("cpu"), quick=True)
+    s.max_bytes = 1 << 20
+    assert page_counts(s, 132, 1) == [256]  # 256 and 4096 x 132 B x 4 layers: 135 KiB, 2 MiB
+    assert page_counts(s, 4096, 64) == [256]  # over the cap: the smallest still runs
+
+
+def test_per_call_baselines_copy_the_right_bytes():
+    w = Workload(132, 4, 8, 2, torch.device("cpu"))
+    for per in ("memcpy_page", "memcpy_row"):
+        case = Case("gather", 132, 4, 8, 2)
+        w.poison("gather", 8)
+        fn, nbytes = baselines.build(per, w, case, max_calls=10**6)
+        fn()
+        w.check("gather", 8)
+        assert nbytes == case.nbytes
