@@ -393,7 +393,12 @@ class EmbeddedMaster:
         The new master knows no objects. Raises :class:`kvmove.StoreError` when it cannot
         start (e.g. the port was taken meanwhile)."""
         if self.running:
-            return
+            # A master killed a moment ago can still look alive: its main thread is a zombie
+            # that cannot be reaped until its other threads have exited. Give it a moment.
+            try:
+                self._proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                return
         if self._finalizer is not None:
             self._finalizer.detach()
         log.warning("restarting mooncake_master on %s (pid %d exited with %s)", self.address,
