@@ -119,11 +119,30 @@ def suite_section(name: str, suite: dict) -> list[str]:
     return out
 
 
+BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
+
+
+def write_into(readme: Path, section: str) -> None:
+    """Replace what stands between the README's report markers with ``section``."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{section.strip()}\n{END}{tail}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
     parser.add_argument("results", type=Path, help="a bench/results/*.json file")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="write the section into this README between its markers")
     args = parser.parse_args(argv)
-    print(markdown(load(args.results), source=str(args.results)))
+    section = markdown(load(args.results), source=str(args.results))
+    if args.readme is None:
+        print(section)
+    else:
+        write_into(args.readme, section)
     return 0
 
 
