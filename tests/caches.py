@@ -82,3 +82,13 @@ def fill_random(staging: kvmove.StagingBuffer, seed: int) -> None:
     for name in staging.buffer_names:
         t = staging.tensor(name)
         t.copy_(random_bytes(t.shape, torch.uint8, g))
+
+
+def write_random(kv: kvmove.KVCache, rows: torch.Tensor, gen: torch.Generator) -> None:
+    """New random bytes in ``rows`` of every buffer and layer of ``kv``."""
+    for n in kv.buffer_names:
+        for layer in range(kv.num_layers(n)):
+            t = kv.layer(n, layer)
+            raw = torch.randint(0, 256, (len(rows), kv.row_bytes(n)), dtype=torch.uint8,
+                                generator=gen)
+            t[rows] = raw.view(t.dtype).view(len(rows), *t.shape[1:])

@@ -28,7 +28,7 @@ import torch
 
 import kvmove
 from kvmove import Status
-from tests.caches import make_layers
+from tests.caches import make_layers, write_random
 from tests.process_table import masters_on_port, wait_gone
 
 pytestmark = pytest.mark.store
@@ -53,16 +53,6 @@ def page_bytes(kv: kvmove.KVCache, rows: torch.Tensor) -> bytes:
     """Every byte of the page ``rows`` (all buffers and layers), as the engine sees it."""
     return b"".join(kv.layer(n, layer)[rows].contiguous().view(torch.uint8).numpy().tobytes()
                     for n in kv.buffer_names for layer in range(kv.num_layers(n)))
-
-
-def fill(kv: kvmove.KVCache, rows: torch.Tensor, generator: torch.Generator) -> None:
-    """New random bytes in ``rows`` of every buffer and layer."""
-    for n in kv.buffer_names:
-        for layer in range(kv.num_layers(n)):
-            t = kv.layer(n, layer)
-            raw = torch.randint(0, 256, (len(rows), kv.row_bytes(n)), dtype=torch.uint8,
-                                generator=generator)
-            t[rows] = raw.view(t.dtype).view(len(rows), *t.shape[1:])
 
 
 def scribble(kv: kvmove.KVCache, rows: torch.Tensor, value: int = 0x5A) -> None:
@@ -148,7 +138,7 @@ def test_threads_evicting_and_prefetching_overlapping_keys(store, keyspace):
                 chosen = rng.sample(keys, rng.randint(1, 3))
                 n = len(chosen)
                 if rng.random() < 0.5:
-                    fill(kv, src[:n].reshape(-1), gen)  # every evict has bytes of its own
+                    write_random(kv, src[:n].reshape(-1), gen)  # every evict has bytes of its own
                     blobs = [page_bytes(kv, p) for p in src[:n]]
                     statuses = mover.evict(chosen, src[:n]).wait(60)
                     with lock:
@@ -223,7 +213,7 @@ def test_evict_of_a_key_while_its_prefetch_is_in_flight(store, keyspace, monkeyp
         untouched = page_bytes(kv, dst[0])
         p = mover.prefetch(key, dst)
         gate.wait_entered()
-        fill(kv, src.reshape(-1), gen)  # other bytes under the same key
+        write_random(kv, src.reshape(-1), gen)  # other bytes under the same key
         second = page_bytes(kv, src[0])
         assert second != first
         e = mover.evict(key, src).wait(30)

@@ -24,7 +24,7 @@ import torch
 
 import kvmove
 from kvmove import Status
-from tests.caches import make_layers
+from tests.caches import make_layers, write_random
 from tests.process_table import rss_bytes
 
 pytestmark = [pytest.mark.soak, pytest.mark.store]
@@ -42,16 +42,6 @@ def read_rows(kv: kvmove.KVCache, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([kv.layer(n, layer)[rows].reshape(len(rows), -1).view(torch.uint8)
                       .reshape(-1) for n in kv.buffer_names
                       for layer in range(kv.num_layers(n))])
-
-
-def write_random(kv: kvmove.KVCache, rows: torch.Tensor, gen: torch.Generator) -> None:
-    """New random bytes in ``rows`` of every buffer and layer."""
-    for n in kv.buffer_names:
-        for layer in range(kv.num_layers(n)):
-            t = kv.layer(n, layer)
-            raw = torch.randint(0, 256, (len(rows), kv.row_bytes(n)), dtype=torch.uint8,
-                                generator=gen)
-            t[rows] = raw.view(t.dtype).view(len(rows), *t.shape[1:])
 
 
 def token_pages(slots: torch.Tensor, valid: list[int]) -> torch.Tensor:
