@@ -57,17 +57,17 @@ def _copy_rows_kernel(
             # Count each bad row once: in the items of the first selected layer.
             first_layer = (row_offs * 0 + layer) == 0
             tl.atomic_add(errors + row_offs * 0, 1, mask=bad & first_layer)
-        src_addr = tl.multiple_of(tl.load(src_table + layer), ALIGN)
-        dst_addr = tl.multiple_of(tl.load(dst_table + layer), ALIGN)
-        src_base = src_addr.to(tl.pointer_type(WORD))
-        dst_base = dst_addr.to(tl.pointer_type(WORD))
+        # The alignment hint goes on the pointer (in bytes), after the cast: on the integer
+        # it would not survive the cast and the compiler would emit one access per word.
+        src_base = tl.multiple_of(tl.load(src_table + layer).to(tl.pointer_type(WORD)), ALIGN)
+        dst_base = tl.multiple_of(tl.load(dst_table + layer).to(tl.pointer_type(WORD)), ALIGN)
         # Row starts, in words, written as (rows * pitch_in_vectors) * VEC so that the
         # compiler sees VEC-aligned offsets and emits wide accesses.
-        src_start = (tl.where(ok, s, 0) * src_pitch) * VEC
-        dst_start = (tl.where(ok, d, 0) * dst_pitch) * VEC
+        src_start = tl.multiple_of((tl.where(ok, s, 0) * src_pitch) * VEC, VEC)
+        dst_start = tl.multiple_of((tl.where(ok, d, 0) * dst_pitch) * VEC, VEC)
         for c in range(0, row_words, BLOCK):
             cols = c + col_offs
-            mask = ok[:, None] & (cols[None, :] < row_words)
+            mask = ok[:, None] & ((cols // VEC)[None, :] < row_words // VEC)
             v = tl.load(src_base + src_start[:, None] + cols[None, :], mask=mask)
             tl.store(dst_base + dst_start[:, None] + cols[None, :], v, mask=mask)
 
