@@ -23,7 +23,8 @@ apt_install() {
 }
 
 # Mooncake's wheels link against libibverbs.so.1 (Debian package libibverbs1).
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+has_ibverbs() { "$PYTHON" -c 'import ctypes; ctypes.CDLL("libibverbs.so.1")' 2>/dev/null; }
+if ! has_ibverbs; then
   say "installing the system library libibverbs1 (needed by Mooncake)"
   apt_install libibverbs1 || die "libibverbs.so.1 is missing and could not be installed.
   Install it as root:  apt-get install -y libibverbs1   (Debian/Ubuntu; rdma-core on RHEL)"
