@@ -28,11 +28,7 @@ def _row_pool(value, name: str) -> RowPool:
 
 def kernel_device(src: RowPool, dst: RowPool) -> torch.device:
     """The device that runs the copy: the GPU when either side lives on one."""
-    for pool in (src, dst):
-        for b in pool.buffers.values():
-            if b.device.type != "cpu":
-                return b.device
-    return torch.device("cpu")
+    return src.device if src.device.type != "cpu" else dst.device
 
 
 def resolve_backend(backend: str, device: torch.device, *, direction: str | None = None,
@@ -54,12 +50,10 @@ def resolve_backend(backend: str, device: torch.device, *, direction: str | None
 
 
 def _check_geometry(src: RowPool, dst: RowPool) -> None:
-    s = {n: (layers, rb) for n, layers, rb in src.geometry()}
-    d = {n: (layers, rb) for n, layers, rb in dst.geometry()}
-    if s != d:
+    if src.shape != dst.shape:
         raise ValueError(
             f"source and destination differ in geometry (buffer: (layers, row bytes)): "
-            f"{src.kind} {s} vs {dst.kind} {d}"
+            f"{src.kind} {src.shape} vs {dst.kind} {dst.shape}"
         )
 
 

@@ -51,6 +51,10 @@ class RowPool:
     def __init__(self, buffers: list[BufferRows], *, kind: str):
         self.buffers = {b.name: b for b in buffers}
         self.kind = kind  # "KVCache" or "StagingBuffer", for messages
+        # What two pools must share to copy rows: buffer -> (layers, row bytes).
+        self.shape = {b.name: (b.num_layers, b.row_bytes) for b in buffers}
+        gpus = [b.device for b in buffers if b.device.type != "cpu"]
+        self.device = gpus[0] if gpus else torch.device("cpu")  # where its memory lives
 
     @property
     def buffer_names(self) -> list[str]:
@@ -58,7 +62,7 @@ class RowPool:
 
     def geometry(self) -> list[tuple[str, int, int]]:
         """(name, layers, row_bytes) per buffer: what two pools must share to copy rows."""
-        return [(b.name, b.num_layers, b.row_bytes) for b in self.buffers.values()]
+        return [(name, layers, rb) for name, (layers, rb) in self.shape.items()]
 
 
 def byte_rows(t: torch.Tensor) -> torch.Tensor:
