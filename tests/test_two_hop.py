@@ -97,23 +97,6 @@ def test_scatter_matches_torch_backend(data, specs, page_tokens, kv_slots, ring)
     assert_same(results[0], results[1])
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), specs=buffer_specs(max_buffers=2, max_layers=3),
-       kv_slots=st.integers(2, 30))
-def test_copy_rows_between_caches_matches_torch_backend(data, specs, kv_slots):
-    src = build_cache(specs, kv_slots, seed=3)
-    n = data.draw(st.integers(0, kv_slots))
-    src_rows = torch.tensor(data.draw(st.lists(st.integers(-1, kv_slots - 1), min_size=n,
-                                               max_size=n)), dtype=torch.int64)
-    dst_rows = torch.tensor(data.draw(st.permutations(range(kv_slots)))[:n], dtype=torch.int32)
-    results = []
-    for backend in ("torch", "two_hop"):
-        dst = build_cache(specs, kv_slots, seed=4)
-        kvmove.copy_rows(src, src_rows, dst, dst_rows, backend=backend)
-        results.append(snapshot(dst))
-    assert_same(results[0], results[1])
-
-
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
 def test_triton_interpreter_as_the_device_copy(direction, monkeypatch):
     """The two-hop path with the Triton kernel as its device-side copy, as on CUDA."""
