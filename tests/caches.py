@@ -92,3 +92,13 @@ def write_random(kv: kvmove.KVCache, rows: torch.Tensor, gen: torch.Generator) -
             raw = torch.randint(0, 256, (len(rows), kv.row_bytes(n)), dtype=torch.uint8,
                                 generator=gen)
             t[rows] = raw.view(t.dtype).view(len(rows), *t.shape[1:])
+
+
+def underlying(kv: kvmove.KVCache) -> list[torch.Tensor]:
+    """A copy of every tensor whose memory the cache views, padding between rows included."""
+    out = []
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            t = kv.layer(name, layer)
+            out.append((t._base if t._base is not None else t).clone())
+    return out

@@ -16,6 +16,7 @@ from tests.caches import (
     build_cache,
     fill_random,
     snapshot,
+    underlying,
 )
 
 BACKENDS = ["torch", "triton"]
@@ -134,17 +135,7 @@ def test_copy_rows_kv_to_kv_backends_agree(data, specs, kv_slots):
                     assert torch.equal(results[0][name][layer][d], src.layer(name, layer)[s])
 
 
-def underlying(kv: kvmove.KVCache) -> list[torch.Tensor]:
-    """Every tensor whose memory the cache views, padding between rows included."""
-    out = []
-    for name in kv.buffer_names:
-        for layer in range(kv.num_layers(name)):
-            t = kv.layer(name, layer)
-            out.append((t._base if t._base is not None else t).clone())
-    return out
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "two_hop"])
 def test_unchecked_out_of_range_rows_are_counted_and_never_written(backend):
     specs = [("kv", 3, 656, torch.uint8, 3, False), ("ix", 2, 132, torch.float32, 1, False)]
     kv = build_cache(specs, 16, seed=5)
