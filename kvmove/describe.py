@@ -136,6 +136,17 @@ class Descriptors:
             self.regions, self.staging,
         )
 
+    def with_trailer(self, addresses: Sequence[int], nbytes: int) -> Descriptors:
+        """The same objects, each followed by one more span of ``nbytes`` at
+        ``addresses[i]`` (e.g. a per-slot checksum), without validating the spans again."""
+        if len(addresses) != len(self) or nbytes <= 0:
+            raise ValueError(f"need one trailer address per key ({len(self)}) and nbytes > 0, "
+                             f"got {len(addresses)} addresses and nbytes={nbytes}")
+        ptrs = [[*p, a] for p, a in zip(self.ptrs, addresses, strict=True)]
+        sizes = [[*s, nbytes] for s in self.sizes]
+        return Descriptors._trusted(self.keys, ptrs, sizes, self._nbytes + nbytes,
+                                    self.regions, self.staging)
+
     def __iter__(self) -> Iterator[tuple[str, list[int], list[int]]]:
         """``(key, ptrs, sizes)`` of each key."""
         return iter(zip(self.keys, self.ptrs, self.sizes, strict=True))

@@ -214,10 +214,8 @@ class KVMover:
         if self._checksum is None or len(desc) == 0:
             return desc
         trailer = self.staging.trailer
-        base, width = trailer.data_ptr(), trailer.shape[1]
-        tails = (slots * width + base).tolist()
-        return Descriptors(desc.keys, [[*p, t] for p, t in zip(desc.ptrs, tails, strict=True)],
-                           [[*s, width] for s in desc.sizes], regions=self.staging.regions())
+        return desc.with_trailer((slots * trailer.shape[1] + trailer.data_ptr()).tolist(),
+                                 trailer.shape[1])
 
     def _valid_tokens(self, valid_tokens, n: int) -> torch.Tensor:
         """``valid_tokens`` (already validated by ``describe``) as int64 ``[n]``."""

@@ -92,3 +92,18 @@ def test_checksummed_and_plain_objects_live_in_different_namespaces(store, keysp
 def test_trailer_bytes_is_validated(bad):
     with pytest.raises(ValueError, match="trailer_bytes"):
         kvmove.StagingBuffer(hybrid(4), num_slots=2, page_tokens=2, trailer_bytes=bad)
+
+
+def test_with_trailer_appends_one_span_per_key():
+    kv = hybrid(8)
+    staging = kvmove.StagingBuffer(kv, num_slots=3, page_tokens=2, trailer_bytes=8)
+    desc = kvmove.describe(staging, [2, 0], ["a", "b"], valid_tokens=[2, 1])
+    tails = [staging.trailer[2].data_ptr(), staging.trailer[0].data_ptr()]
+    before = ([list(p) for p in desc.ptrs], [list(s) for s in desc.sizes])
+    out = desc.with_trailer(tails, 8)
+    assert out.ptrs == [[*p, t] for p, t in zip(desc.ptrs, tails, strict=True)]
+    assert out.sizes == [[*s, 8] for s in desc.sizes]
+    assert [out.nbytes(i) for i in range(2)] == [desc.nbytes(i) + 8 for i in range(2)]
+    assert (desc.ptrs, desc.sizes) == before  # the original (shared lists) is not mutated
+    with pytest.raises(ValueError, match="trailer"):
+        desc.with_trailer(tails[:1], 8)
