@@ -2,8 +2,13 @@
 
 - ``bulk``: one contiguous copy of the same number of bytes (the ceiling; device-to-host or
   host-to-device on a GPU);
-- ``primitive`` (CPU): the torch primitive the torch backend calls, plain: per layer one
-  ``index_select`` into the staging view (gather) / ``index_copy_`` from it (scatter);
+- ``primitive`` (CPU): the plain torch primitive, row by row: per layer one
+  ``index_select`` of the token rows into the staging view (gather) / ``index_copy_`` from
+  it (scatter);
+- ``primitive_units`` (CPU): the primitive calls the torch backend makes, made plainly:
+  whole pages move in units of up to 16 KiB (``index_select`` into the staging units;
+  ``index_copy_`` in 8-byte words, rows too), so the torch backend's own cost is its time
+  over this one;
 - ``memcpy_page``: one memcpy per page-layer span (``ctypes.memmove`` on the CPU,
   ``cudaMemcpyAsync`` to or from pinned host memory on a GPU);
 - ``memcpy_row``: one memcpy per token row per layer, what a naive port does;
@@ -26,6 +31,7 @@ import torch
 
 from bench.cases import Case
 from bench.workload import Workload
+from kvmove.torch_backend import unit_tokens, widest_views
 
 Method = tuple[Callable[[], None], int]
 
@@ -56,6 +62,33 @@ def primitive(w: Workload, case: Case) -> Method:
         def run() -> None:
             for k, s in zip(kv, st, strict=True):
                 k.index_copy_(0, rows, s)
+    return run, case.nbytes
+
+
+def primitive_units(w: Workload, case: Case) -> Method | None:
+    """The primitive calls the torch backend makes, made plainly: per layer
+    ``index_select`` / widened ``index_copy_`` on ``[units, unit bytes]`` views, the units
+    it moves whole pages in (rows where pages are one token). None where that is the plain
+    row ``primitive`` itself (a gather of one-token pages)."""
+    unit = unit_tokens(case.page_tokens, w.row_bytes)
+    if unit == 1 and case.direction == "gather":
+        return None
+    token_pages, _, _ = w.indices(case.pages)
+    per_page = case.page_tokens // unit
+    units = ((token_pages[:, 0] // unit)[:, None] + torch.arange(per_page)).reshape(-1)
+    n, unit_bytes = len(units), unit * w.row_bytes
+    kv = [w.kv_layer(layer).view(-1, unit_bytes) for layer in range(case.layers)]
+    st = [w.staging_layer(layer).view(-1, unit_bytes)[:n] for layer in range(case.layers)]
+    if case.direction == "gather":
+        def run() -> None:
+            for k, s in zip(kv, st, strict=True):
+                torch.index_select(k, 0, units, out=s)
+    else:
+        pairs = [widest_views(k, s) for k, s in zip(kv, st, strict=True)]
+
+        def run() -> None:
+            for k, s in pairs:
+                k.index_copy_(0, units, s)
     return run, case.nbytes
 
 
@@ -140,7 +173,7 @@ def cpu_rearrange(w: Workload, case: Case) -> Method:
     return run, case.nbytes
 
 
-BASELINES = ("bulk", "primitive", "memcpy_page", "memcpy_row", "cpu_rearrange")
+BASELINES = ("bulk", "primitive", "primitive_units", "memcpy_page", "memcpy_row", "cpu_rearrange")
 
 
 def build(name: str, w: Workload, case: Case, *, max_calls: int) -> Method | None:
@@ -150,6 +183,8 @@ def build(name: str, w: Workload, case: Case, *, max_calls: int) -> Method | Non
         return bulk(w, case)
     if name == "primitive":
         return None if cuda else primitive(w, case)
+    if name == "primitive_units":
+        return None if cuda else primitive_units(w, case)
     if name == "memcpy_page":
         return memcpy_page(w, case, max_calls)
     if name == "memcpy_row":

@@ -59,9 +59,12 @@ def markdown(data: dict, source: str | None = None) -> str:
                "in the same run, on the same data. Each row is the largest page count "
                "measured for that shape.")
     if not m.get("gpu"):
-        out.append(f"The torch primitive is a plain per-layer `{PRIMITIVE['gather']}` into "
-                   f"the staging view (gather) or `{PRIMITIVE['scatter']}` from it (scatter); "
-                   "memcpy per page/row are `ctypes.memmove` loops.")
+        out.append(f"The torch primitive is a plain per-layer `{PRIMITIVE['gather']}` of the "
+                   f"token rows into the staging view (gather) or `{PRIMITIVE['scatter']}` "
+                   "from it (scatter). The torch backend moves whole aligned pages in units "
+                   "of up to 16 KiB and copies in 8-byte words; \"primitive as called\" "
+                   "times exactly those calls, made plainly, so kvmove over it is its own "
+                   "cost. memcpy per page/row are `ctypes.memmove` loops.")
     else:
         out.append("memcpy per page/row are `cudaMemcpyAsync` loops to or from pinned host "
                    "memory; CPU rearrange is a bulk copy of the touched KV to pinned host "

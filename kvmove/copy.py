@@ -12,7 +12,7 @@ from kvmove.cache import KVCache
 from kvmove.indices import as_index_tensor, check_range, check_unique, page_rows
 from kvmove.row_pool import BufferRows, RowPool
 from kvmove.staging import StagingBuffer
-from kvmove.torch_backend import copy_rows_torch
+from kvmove.torch_backend import RowPlan, copy_rows_torch, plan_rows, plan_whole_pages
 
 BACKENDS = ("auto", "triton", "torch", "two_hop")
 Pool = KVCache | StagingBuffer
@@ -110,6 +110,40 @@ def _launch_triton(src, dst, layers, s, d, errors, direction, page_tokens, devic
     )
 
 
+def _error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The caller's error counter, checked, or a new one."""
+    if errors is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if not (isinstance(errors, torch.Tensor) and errors.dtype == torch.int32
+            and errors.numel() == 1 and errors.device == device):
+        raise TypeError(f"errors must be an int32 tensor of one element on {device}, "
+                        f"got {errors!r:.80}")
+    return errors
+
+
+def _whole_page_plan(kv: KVCache, staging: StagingBuffer, token_pages: torch.Tensor,
+                     slots: torch.Tensor, backend: str, *, gathering: bool) -> RowPlan | None:
+    """The torch backend's plan of a gather or scatter on the CPU where every page is whole
+    (see :func:`plan_whole_pages`): no row lists, no per-row checks. None otherwise."""
+    device = kernel_device(kv.row_pool, staging.row_pool)
+    if device.type != "cpu" or resolve_backend(backend, device) != "torch":
+        return None
+    return plan_whole_pages(token_pages, slots, kv.num_slots, staging.num_slots,
+                            kv_is_src=gathering)
+
+
+def _copy_planned(src: Pool, dst: Pool, plan: RowPlan, *, layers,
+                  errors: torch.Tensor | None) -> torch.Tensor:
+    """Every buffer's copy on the torch backend, by a plan made beforehand."""
+    sp, dp = src.row_pool, dst.row_pool
+    errors = _error_counter(errors, kernel_device(sp, dp))
+    chosen = select_layers(sp, layers)
+    for name, src_buf in sp.buffers.items():
+        if chosen[name]:
+            copy_rows_torch(src_buf, dp.buffers[name], chosen[name], None, None, None, plan=plan)
+    return errors
+
+
 def _copy(
     src: Pool,
     src_rows: torch.Tensor,
@@ -131,12 +165,7 @@ def _copy(
         for name, b in sp.buffers.items()
     }
     chosen = select_layers(sp, layers)
-    if errors is None:
-        errors = torch.zeros(1, dtype=torch.int32, device=device)
-    elif not (isinstance(errors, torch.Tensor) and errors.dtype == torch.int32
-              and errors.numel() == 1 and errors.device == device):
-        raise TypeError(f"errors must be an int32 tensor of one element on {device}, "
-                        f"got {errors!r:.80}")
+    errors = _error_counter(errors, device)
     if check:
         limit_s = next(iter(sp.buffers.values())).num_rows
         limit_d = next(iter(dp.buffers.values())).num_rows
@@ -150,6 +179,7 @@ def _copy(
         src_rows = src_rows.to(device, non_blocking=True).contiguous()
         dst_rows = dst_rows.to(device, non_blocking=True).contiguous()
     counter = errors  # count bad rows in the first buffer's copy only
+    plan = None  # the torch backend's index work, shared by all its buffers
     for name, src_buf in sp.buffers.items():
         if not chosen[name]:
             continue
@@ -163,7 +193,11 @@ def _copy(
             copy_rows_two_hop(src_buf, dst_buf, chosen[name], *host_rows, counter,
                               direction=direction, page_tokens=page_tokens)
         else:
-            copy_rows_torch(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter)
+            if plan is None:
+                plan = plan_rows(src_rows, dst_rows, src_buf.num_rows, dst_buf.num_rows,
+                                 page_tokens)
+            copy_rows_torch(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter,
+                            plan=plan)
         counter = None
     return errors
 
@@ -245,6 +279,11 @@ def gather(
     Returns the int32 ``[1]`` error counter (see :func:`copy_rows`).
     """
     token_pages, slots = _page_args(kv, staging, token_pages, slots)
+    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, gathering=True)
+    if plan is not None:  # every row in range: only the slots' uniqueness is left to check
+        if check:
+            check_unique(slots, "slots")
+        return _copy_planned(kv, staging, plan, layers=None, errors=errors)
     if check:
         check_range(slots, staging.num_slots, "slots")
         check_unique(slots, "slots")
@@ -274,6 +313,11 @@ def scatter(
     token slots, ``-1`` = padding (that KV row is left untouched). Returns the error counter.
     """
     token_pages, slots = _page_args(kv, staging, token_pages, slots)
+    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, gathering=False)
+    if plan is not None:  # whole pages: unique KV rows iff unique first rows
+        if check:
+            check_unique(token_pages[:, 0], "token_pages")
+        return _copy_planned(staging, kv, plan, layers=layers, errors=errors)
     if check:
         check_range(slots, staging.num_slots, "slots")
         check_range(token_pages, kv.num_slots, "token_pages")

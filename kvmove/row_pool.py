@@ -45,6 +45,22 @@ class BufferRows:
         return table
 
 
+    def page_views(self, layers: list[int], page_tokens: int) -> list[torch.Tensor]:
+        """Per layer in ``layers``, the rows as ``[num_rows // page_tokens, page_tokens *
+        row_bytes]`` pages (row ``p * page_tokens + t`` is token ``t`` of page ``p``; a
+        trailing part page is left out). Only for rows without padding (cached)."""
+        if self.pitch != self.row_bytes:
+            raise ValueError(f"buffer {self.name!r} has padded rows (pitch {self.pitch} > "
+                             f"{self.row_bytes} bytes): no page views")
+        views = self._tables.get(("pages", page_tokens))
+        if views is None:
+            pages = self.num_rows // page_tokens
+            views = tuple(t[: pages * page_tokens].view(pages, page_tokens * self.row_bytes)
+                          for t in self.layers)
+            self._tables[("pages", page_tokens)] = views
+        return [views[i] for i in layers]
+
+
 class RowPool:
     """A mapping from buffer name to :class:`BufferRows`, in declaration order."""
 

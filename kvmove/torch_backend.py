@@ -3,50 +3,226 @@ views, one layer at a time. The correctness oracle in tests, and the fast path o
 without a GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
 skipped and counted, nothing is written outside a pool.
 
-Speed on the CPU: the index work is a few passes per call, not per layer (the bounds of
-each side decide that no row needs masking, the usual case); ``index_select`` into a
-contiguous run of destination rows is a parallel memcpy per row; ``index_copy_`` copies
-element by element, so its rows are viewed with the widest integer type that the row size,
-pitch and base addresses allow (8 bytes instead of 1: about 5x faster at 656-byte rows).
+Speed on the CPU:
+
+- the index work is done once per call, in numpy, for all buffers and layers
+  (:func:`plan_rows`): skips and out-of-range rows are dropped, and runs are found;
+- whole pages move as one unit: where ``page_tokens`` rows are the aligned run
+  ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed as
+  ``[pages, page_tokens * row_bytes]`` and the primitive moves pages, not rows
+  (``page_tokens`` times fewer index entries, each copy that many times larger);
+- ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row;
+  ``index_copy_`` copies element by element, so its rows are viewed with the widest integer
+  type that the row size, pitch and base addresses allow (8 bytes instead of 1: about 5x
+  faster at 656-byte rows).
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from kvmove.row_pool import BufferRows
 
 _WIDE_TYPES = (torch.int64, torch.int32, torch.int16)
+# Pages move in units of at most this many bytes: torch's CPU index_select leaves its
+# memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
+UNIT_BYTES = 16 << 10
 
 
-def _bounds(rows: torch.Tensor) -> tuple[int, int]:
-    """``(min, max)`` of a non-empty index tensor (numpy on the CPU: small tensors cost a
-    fraction of what torch ops do per call)."""
-    if rows.device.type == "cpu":
-        a = rows.numpy()
-        return int(a.min()), int(a.max())
-    lo, hi = torch.aminmax(rows)
-    return int(lo), int(hi)
+def _as_numpy(rows: torch.Tensor) -> np.ndarray:
+    """The values of an index tensor as a flat int64 numpy array (a view where possible)."""
+    a = rows.detach().reshape(-1).cpu().numpy()
+    return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
-def _run_start(rows: torch.Tensor, lo: int, hi: int) -> int | None:
-    """``lo`` if ``rows`` is exactly ``lo, lo + 1, ..., hi`` (``lo``/``hi`` its bounds), else
-    None. With these bounds, ``rows`` is consecutive iff it is strictly increasing."""
-    m = rows.numel()
-    if hi - lo != m - 1:
+def _run_start(rows: np.ndarray) -> int | None:
+    """``rows[0]`` if ``rows`` is ``rows[0], rows[0] + 1, ...`` (a run), else None."""
+    if rows.size == 0:
         return None
-    a = rows.numpy() if rows.device.type == "cpu" else rows
-    if int(a[0]) != lo or (m > 1 and not bool((a[1:] > a[:-1]).all())):
+    first = int(rows[0])
+    if int(rows[-1]) - first != rows.size - 1:
         return None
-    return lo
+    if rows.size > 2 and not bool((np.diff(rows) == 1).all()):
+        return None
+    return first
 
 
-def _widened(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two ``[rows, row_bytes]`` uint8 views as the widest integer rows both allow."""
-    row_bytes = a.shape[1]
+class _Part:
+    """One set of ``src[i] -> dst[i]`` copies in a unit (a row, or several rows)."""
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray):
+        self.src, self.dst = src, dst
+        self._runs: dict[str, int | None] = {}
+        self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.src.size
+
+    def run(self, side: str) -> int | None:
+        """The first unit of ``side`` ("src" or "dst") where that side is one run."""
+        if side not in self._runs:
+            self._runs[side] = _run_start(self.src if side == "src" else self.dst)
+        return self._runs[side]
+
+    def tensor(self, side: str, device: torch.device) -> torch.Tensor:
+        """The int64 index tensor of ``side`` on ``device`` (cached)."""
+        key = (side, str(device))
+        if key not in self._tensors:
+            values = self.src if side == "src" else self.dst
+            t = torch.from_numpy(values)
+            self._tensors[key] = t if device.type == "cpu" else t.to(device)
+        return self._tensors[key]
+
+
+class RowPlan:
+    """What one copy moves, worked out once for every buffer and layer (numpy, on the
+    host): the rows to copy (skips and out-of-range rows dropped) and, where ``page_tokens
+    > 1``, the whole pages among them: pages that are the aligned run ``p * page_tokens ..``
+    on both sides, which can move as units larger than a row. Built by :func:`plan_rows`
+    (from row lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
+
+    def __init__(self, page_tokens: int, errors: int, firsts, all_whole: bool, rows, rest):
+        self.page_tokens = page_tokens
+        self.errors = errors  # out-of-range rows, skipped
+        self._firsts = firsts  # (src, dst) first rows of the whole pages, or None
+        self.all_whole = all_whole
+        self._make_rows, self._make_rest = rows, rest  # () -> _Part, on first use
+        self._rows: _Part | None = None
+        self._rest: _Part | None = None
+        self._units: dict[int, _Part] = {}
+
+    @property
+    def some_whole(self) -> bool:
+        return self._firsts is not None
+
+    @property
+    def rows(self) -> _Part:
+        """Every row to copy."""
+        if self._rows is None:
+            self._rows = self._make_rows()
+        return self._rows
+
+    @property
+    def rest(self) -> _Part:
+        """The rows to copy that are not in a whole page."""
+        if self._rest is None:
+            self._rest = self._make_rest()
+        return self._rest
+
+    def units(self, unit_tokens: int) -> _Part:
+        """The whole pages in units of ``unit_tokens`` rows (a divisor of ``page_tokens``):
+        unit ``u`` is rows ``u * unit_tokens ..``."""
+        part = self._units.get(unit_tokens)
+        if part is None:
+            per_page = self.page_tokens // unit_tokens
+            if per_page == 1:
+                part = _Part(*(f // unit_tokens for f in self._firsts))
+            else:
+                step = np.arange(per_page, dtype=np.int64)
+                part = _Part(*(((f // unit_tokens)[:, None] + step).reshape(-1)
+                               for f in self._firsts))
+            self._units[unit_tokens] = part
+        return part
+
+
+def plan_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_limit: int,
+              dst_limit: int, page_tokens: int = 1) -> RowPlan:
+    """The :class:`RowPlan` of copying ``src_rows[i] -> dst_rows[i]`` between pools of
+    ``src_limit`` and ``dst_limit`` rows; ``page_tokens > 1`` looks for whole pages."""
+    s, d = _as_numpy(src_rows), _as_numpy(dst_rows)
+    if not s.size or (int(min(s.min(), d.min())) >= 0 and int(s.max()) < src_limit
+                      and int(d.max()) < dst_limit):
+        keep, errors = None, 0  # the usual case: nothing to drop
+    else:
+        bad = (s < -1) | (s >= src_limit) | (d < -1) | (d >= dst_limit)
+        errors = int(bad.sum())
+        keep = (s >= 0) & (d >= 0) & ~bad
+
+    def rows() -> _Part:
+        return _Part(s, d) if keep is None else _Part(s[keep], d[keep])
+
+    whole = None
+    if page_tokens > 1 and s.size and s.size % page_tokens == 0:
+        whole = _whole_pages(s, page_tokens, src_limit) & _whole_pages(d, page_tokens, dst_limit)
+        if keep is not None:
+            whole &= keep.reshape(-1, page_tokens).all(axis=1)
+        if not whole.any():
+            whole = None
+    if whole is None:
+        return RowPlan(page_tokens, errors, None, False, rows, rows)
+
+    def rest() -> _Part:
+        left = np.repeat(~whole, page_tokens)
+        if keep is not None:
+            left &= keep
+        return _Part(s[left], d[left])
+
+    all_whole = bool(whole.all())
+    firsts = tuple(x[::page_tokens] if all_whole else x[::page_tokens][whole] for x in (s, d))
+    return RowPlan(page_tokens, errors, firsts, all_whole, rows, rest)
+
+
+def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
+                     num_slots: int, *, kv_is_src: bool) -> RowPlan | None:
+    """The :class:`RowPlan` of a gather (``kv_is_src``) or scatter between KV token rows
+    ``kv_pages`` (``[n, page_tokens]``, on the CPU) and staging ``slots`` (``[n]``), when
+    every page is whole: in range, no ``-1``, and each KV page the aligned run ``p *
+    page_tokens ..``. None otherwise (:func:`plan_rows` handles every case). A few numpy
+    passes over the pages and no row lists: the usual case of a paged KV cache."""
+    n, page_tokens = kv_pages.shape
+    if n == 0 or kv_pages.device.type != "cpu" or slots.device.type != "cpu":
+        return None
+    kv, st = kv_pages.numpy(), np.asarray(slots.numpy(), dtype=np.int64)
+    first = np.asarray(kv[:, 0], dtype=np.int64)
+    if page_tokens > 1 and (bool((first % page_tokens).any())
+                            or not bool((kv == kv[:, :1] + np.arange(page_tokens)).all())):
+        return None  # some page is not an aligned run (or holds -1)
+    # Pages are runs now: their first rows bound every row.
+    if int(first.min()) < 0 or int(first.max()) + page_tokens > kv_rows \
+            or int(st.min()) < 0 or int(st.max()) >= num_slots:
+        return None
+
+    def rows() -> _Part:
+        kv_flat = np.asarray(kv.reshape(-1), dtype=np.int64)
+        st_flat = (st[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
+        return _Part(kv_flat, st_flat) if kv_is_src else _Part(st_flat, kv_flat)
+
+    firsts = (first, st * page_tokens) if kv_is_src else (st * page_tokens, first)
+    return RowPlan(page_tokens, 0, firsts if page_tokens > 1 else None, page_tokens > 1,
+                   rows, rows)
+
+
+@functools.lru_cache(maxsize=256)
+def unit_tokens(page_tokens: int, row_bytes: int) -> int:
+    """The rows per unit the torch backend moves whole pages in: the largest divisor of
+    ``page_tokens`` whose unit fits :data:`UNIT_BYTES` (1: row by row)."""
+    fits = [u for u in range(1, page_tokens + 1)
+            if page_tokens % u == 0 and u * row_bytes <= UNIT_BYTES]
+    return max(fits, default=1)
+
+
+def _whole_pages(rows: np.ndarray, page_tokens: int, limit: int) -> np.ndarray:
+    """Per page of ``rows`` (viewed ``[n, page_tokens]``): whether it is the aligned run
+    ``p * page_tokens .. p * page_tokens + page_tokens - 1`` of a pool of ``limit`` rows."""
+    first = rows[::page_tokens]
+    ok = (first >= 0) & (first % page_tokens == 0) & (first + page_tokens <= limit)
+    if _run_start(rows) is not None:  # one run (e.g. fresh staging slots): no more to check
+        return ok
+    steps = np.empty(rows.size, dtype=bool)
+    steps[:-1] = rows[1:] - rows[:-1] == 1
+    steps[-1] = True
+    return ok & steps.reshape(-1, page_tokens)[:, :-1].all(axis=1)
+
+
+def widest_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[units, unit_bytes]`` uint8 views as the widest integer units both allow."""
+    unit_bytes = a.shape[1]
     for dtype in _WIDE_TYPES:
         size = dtype.itemsize
-        if row_bytes % size == 0 and all(
+        if unit_bytes % size == 0 and all(
             t.data_ptr() % size == 0 and (t.shape[0] <= 1 or t.stride(0) % size == 0)
             for t in (a, b)
         ):
@@ -55,48 +231,58 @@ def _widened(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _index_copy(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[rows[i]] = src[i]`` for byte rows, in wide words where possible."""
-    wide_dst, wide_src = _widened(dst, src)
+    """``dst[rows[i]] = src[i]`` for byte units, in wide words where possible."""
+    wide_dst, wide_src = widest_views(dst, src)
     wide_dst.index_copy_(0, rows, wide_src)
+
+
+def _copy_part(src_views, dst_views, part: _Part, src_device, dst_device) -> None:
+    """``dst_view[part.dst[i]] = src_view[part.src[i]]`` for each pair of layer views."""
+    m = len(part)
+    same_device = src_device == dst_device
+    s_idx = part.tensor("src", src_device)
+    d0 = part.run("dst") if same_device else None
+    if d0 is not None and dst_views[0][d0 : d0 + m].is_contiguous():
+        for src_l, dst_l in zip(src_views, dst_views, strict=True):  # a memcpy per unit
+            torch.index_select(src_l, 0, s_idx, out=dst_l[d0 : d0 + m])
+        return
+    d_idx = part.tensor("dst", dst_device)
+    s0 = part.run("src") if same_device else None
+    for src_l, dst_l in zip(src_views, dst_views, strict=True):
+        taken = (src_l[s0 : s0 + m] if s0 is not None
+                 else src_l.index_select(0, s_idx).to(dst_device))
+        _index_copy(dst_l, d_idx, taken)
 
 
 def copy_rows_torch(
     src: BufferRows,
     dst: BufferRows,
     layers: list[int],
-    src_rows: torch.Tensor,
-    dst_rows: torch.Tensor,
+    src_rows: torch.Tensor | None,
+    dst_rows: torch.Tensor | None,
     errors: torch.Tensor | None,
+    *,
+    page_tokens: int = 1,
+    plan: RowPlan | None = None,
 ) -> None:
     """Copy ``src_rows[i] -> dst_rows[i]`` for each layer in ``layers`` of one buffer; add
-    the number of out-of-range rows to ``errors`` (unless None)."""
-    s = src_rows.to(torch.int64).reshape(-1)
-    d = dst_rows.to(torch.int64).reshape(-1)
-    if s.numel() == 0 or not layers:
+    the number of out-of-range rows to ``errors`` (unless None). ``plan``: the
+    :class:`RowPlan` of these rows (then the row tensors are not read), when the caller
+    shares one across buffers."""
+    if plan is None:
+        plan = plan_rows(src_rows, dst_rows, src.num_rows, dst.num_rows, page_tokens)
+    if errors is not None and plan.errors:
+        errors += plan.errors
+    if not layers:
         return
-    (s_lo, s_hi), (d_lo, d_hi) = _bounds(s), _bounds(d)
-    if s_lo < 0 or d_lo < 0 or s_hi >= src.num_rows or d_hi >= dst.num_rows:
-        # Padding (-1) or out-of-range rows: count the bad ones, copy the others.
-        bad = (s < -1) | (s >= src.num_rows) | (d < -1) | (d >= dst.num_rows)
-        if errors is not None and bool(bad.any()):
-            errors += int(bad.sum())
-        keep = (s >= 0) & (d >= 0) & ~bad
-        s, d = s[keep], d[keep]
-        if s.numel() == 0:
+    unit = unit_tokens(plan.page_tokens, src.row_bytes)
+    by_page = plan.some_whole and unit > 1 and src.pitch == src.row_bytes == dst.pitch
+    if by_page:
+        _copy_part(src.page_views(layers, unit), dst.page_views(layers, unit),
+                   plan.units(unit), src.device, dst.device)
+        if plan.all_whole:
             return
-        (s_lo, s_hi), (d_lo, d_hi) = _bounds(s), _bounds(d)
-    s_src = s.to(src.device)
-    d_dst = d.to(dst.device)
-    same_device = src.device == dst.device
-    d0 = _run_start(d, d_lo, d_hi) if same_device else None
-    s0 = _run_start(s, s_lo, s_hi) if same_device and d0 is None else None
-    m = s.numel()
-    for layer in layers:
-        src_l, dst_l = src.layers[layer], dst.layers[layer]
-        run = dst_l[d0 : d0 + m] if d0 is not None else None
-        if run is not None and run.is_contiguous():
-            torch.index_select(src_l, 0, s_src, out=run)
-        elif s0 is not None:
-            _index_copy(dst_l, d_dst, src_l[s0 : s0 + m])
-        else:
-            _index_copy(dst_l, d_dst, src_l.index_select(0, s_src).to(dst.device))
+    rows = plan.rest if by_page else plan.rows
+    if len(rows):
+        _copy_part([src.layers[i] for i in layers], [dst.layers[i] for i in layers], rows,
+                   src.device, dst.device)

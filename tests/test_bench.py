@@ -49,7 +49,8 @@ def fake_results() -> dict:
                     "cores": 2, "torch": "x", "triton": "y", "cuda": None},
         "settings": {"layers": 2, "repeats": 3, "warmup": 1},
         "kernels": [
-            record("gather", 656, 64, 256, torch=9.0, primitive=10.0, bulk=12.0, memcpy_row=0.5),
+            record("gather", 656, 64, 256, torch=9.0, primitive=10.0, bulk=12.0, memcpy_row=0.5,
+                   primitive_units=9.5),
             record("gather", 656, 64, 1024, torch=8.0, primitive=10.0, bulk=10.0, memcpy_row=1),
             record("scatter", 656, 64, 1024, torch=5.0, primitive=1.0, bulk=10.0, memcpy_row=1),
         ],
@@ -59,9 +60,12 @@ def fake_results() -> dict:
 def test_headlines_and_ratios_come_from_the_records():
     data = fake_results()
     heads = {h.text.split(" (")[0]: h for h in summary.headlines(data)}
-    gather = heads["torch gather vs a plain per-layer index_select"]
+    gather = heads["torch gather vs a plain per-layer index_select of the rows"]
     assert abs(gather.value - 0.85) < 1e-9 and gather.met is False  # median of 0.9, 0.8
-    assert heads["torch scatter vs a plain per-layer index_copy_"].met is True
+    assert heads["torch scatter vs a plain per-layer index_copy_ of the rows"].met is True
+    # Its own cost: over the units primitive where timed, else the rows one.
+    own = heads["torch gather vs the primitive calls it makes, made plainly"]
+    assert abs(own.value - (9.0 / 9.5 + 0.8) / 2) < 1e-9
     assert abs(heads["torch gather vs memcpy per row, 656-byte rows"].value - 13.0) < 1e-9
     assert heads["torch gather vs bulk copy, 656-byte rows"].target is None  # a fact
     [largest] = [r for r in summary.largest_cases(data["kernels"])
@@ -88,10 +92,13 @@ def test_byte_cap_keeps_the_smallest_page_count():
 
 def test_per_call_baselines_copy_the_right_bytes():
     w = Workload(132, 4, 8, 2, torch.device("cpu"))
-    for per in ("memcpy_page", "memcpy_row"):
-        case = Case("gather", 132, 4, 8, 2)
-        w.poison("gather", 8)
-        fn, nbytes = baselines.build(per, w, case, max_calls=10**6)
-        fn()
-        w.check("gather", 8)
-        assert nbytes == case.nbytes
+    for per in ("memcpy_page", "memcpy_row", "primitive", "primitive_units"):
+        for direction in ("gather", "scatter"):
+            case = Case(direction, 132, 4, 8, 2)
+            w.poison(direction, 8)
+            fn, nbytes = baselines.build(per, w, case, max_calls=10**6)
+            fn()
+            w.check(direction, 8)
+            assert nbytes == case.nbytes
+    assert baselines.build("primitive_units", w, Case("gather", 132, 1, 8, 2),
+                           max_calls=10) is None  # one-token pages: the plain primitive

@@ -29,11 +29,22 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 @st.composite
 def page_batches(draw, kv_slots, staging_slots, page_tokens):
-    """(token_pages, slots): scattered, duplicate and -1 KV rows; distinct staging slots."""
+    """(token_pages, slots), distinct staging slots. Each page is scattered, duplicate and
+    -1 KV rows, or a whole aligned KV page (the paged-cache case, which the torch backend
+    moves as one unit), or such a page cut short by -1 padding."""
     n = draw(st.integers(1, min(4, staging_slots)))
     token = st.one_of(st.integers(0, kv_slots - 1), st.just(-1))
-    pages = draw(st.lists(st.lists(token, min_size=page_tokens, max_size=page_tokens),
-                          min_size=n, max_size=n))
+    aligned_pages = kv_slots // page_tokens
+    kinds = ["rows", "whole", "cut"] if aligned_pages and page_tokens > 1 else ["rows"]
+    pages = []
+    for _ in range(n):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "rows":
+            pages.append(draw(st.lists(token, min_size=page_tokens, max_size=page_tokens)))
+            continue
+        first = draw(st.integers(0, aligned_pages - 1)) * page_tokens
+        keep = page_tokens if kind == "whole" else draw(st.integers(1, page_tokens - 1))
+        pages.append([first + t if t < keep else -1 for t in range(page_tokens)])
     slots = draw(st.permutations(range(staging_slots)))[:n]
     dtype = draw(st.sampled_from([torch.int32, torch.int64]))
     return torch.tensor(pages, dtype=dtype), torch.tensor(slots, dtype=dtype)
@@ -55,7 +66,7 @@ def expected_gather(kv, before, token_pages, slots, page_tokens):
 
 @SETTINGS
 @given(data=st.data(), specs=buffer_specs(),
-       page_tokens=st.sampled_from([1, 2, 3, 5, 16, 64]), kv_slots=st.integers(4, 40))
+       page_tokens=st.sampled_from([1, 2, 3, 5, 16, 64]), kv_slots=st.integers(4, 140))
 def test_gather_backends_agree_with_reference(data, specs, page_tokens, kv_slots):
     kv = build_cache(specs, kv_slots, seed=data.draw(st.integers(0, 1000)))
     staging_slots = data.draw(st.integers(1, 6))
@@ -74,14 +85,20 @@ def test_gather_backends_agree_with_reference(data, specs, page_tokens, kv_slots
 
 @SETTINGS
 @given(data=st.data(), specs=buffer_specs(),
-       page_tokens=st.sampled_from([1, 2, 4, 16, 64]), kv_slots=st.integers(4, 40))
+       page_tokens=st.sampled_from([1, 2, 4, 16, 64]), kv_slots=st.integers(4, 140))
 def test_gather_then_scatter_into_other_slots_reproduces_rows(data, specs, page_tokens, kv_slots):
     kv = build_cache(specs, kv_slots, seed=1)
     staging_slots = data.draw(st.integers(1, 5))
     token_pages, slots = data.draw(page_batches(kv_slots, staging_slots, page_tokens))
-    # Destination rows: distinct KV rows of another cache, -1 where the source was padding.
+    # Destination rows: distinct KV rows of another cache (scattered, or whole aligned
+    # pages), -1 where the source was padding.
     n = token_pages.shape[0]
-    perm = torch.tensor(data.draw(st.permutations(range(kv_slots))))
+    aligned_pages = kv_slots // page_tokens
+    if aligned_pages >= n and data.draw(st.booleans()):
+        firsts = torch.tensor(data.draw(st.permutations(range(aligned_pages)))[:n])
+        perm = (firsts[:, None] * page_tokens + torch.arange(page_tokens)).reshape(-1)
+    else:
+        perm = torch.tensor(data.draw(st.permutations(range(kv_slots))))
     needed = n * page_tokens
     if needed > kv_slots:
         perm = torch.cat([perm, torch.full((needed - kv_slots,), -1)])
@@ -196,3 +213,23 @@ def test_auto_backend_is_torch_without_a_gpu():
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+
+
+def test_torch_plan_moves_whole_aligned_pages_as_units():
+    from kvmove.torch_backend import plan_rows, unit_tokens
+
+    pt = 4
+    src = torch.tensor([8, 9, 10, 11,  1, 2, 3, 4,  12, 13, -1, -1,  0, 1, 2, 3,  16, 17, 18, 19])
+    dst = torch.tensor([0, 1, 2, 3,  4, 5, 6, 7,  8, 9, 10, 11,  12, 13, 14, 15,  16, 17, 18, 19])
+    plan = plan_rows(src, dst, 18, 20, pt)  # KV rows 16.. are out of range
+    # Page 0 and 3 are whole aligned runs on both sides; page 1 is unaligned in the KV,
+    # page 2 is cut short, page 4 is past the KV.
+    assert plan.some_whole and not plan.all_whole
+    assert plan.errors == 2  # rows 18 and 19; 16 and 17 are in range
+    assert plan.units(4).src.tolist() == [2, 0] and plan.units(4).dst.tolist() == [0, 3]
+    assert plan.units(2).src.tolist() == [4, 5, 0, 1]
+    assert plan.rest.src.tolist() == [1, 2, 3, 4, 12, 13, 16, 17]
+    assert plan.rest.dst.tolist() == [4, 5, 6, 7, 8, 9, 16, 17]
+    assert plan.rows.src.tolist() == [8, 9, 10, 11, 1, 2, 3, 4, 12, 13, 0, 1, 2, 3, 16, 17]
+    assert unit_tokens(64, 656) == 16 and unit_tokens(16, 4100) == 2
+    assert unit_tokens(64, 132) == 64 and unit_tokens(8, 20000) == 1
