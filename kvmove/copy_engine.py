@@ -2,14 +2,18 @@
 
 On CUDA the spans go to the copy engines on the current stream of the given device: one
 ``cuMemcpyBatchAsync`` call per batch where the driver has it (CUDA >= 12.8), else one
-``cudaMemcpyAsync`` per span. The batched call refuses the legacy default stream (torch's
-default): there it goes to the per-thread default stream instead, which the legacy stream
-orders against in both directions, so the copies still run after the work before them
-and before the work after them. Addresses are the ones the device uses (UVA addresses of
-pinned host memory); the direction of each copy follows from them (``cudaMemcpyDefault``).
-On the CPU each span is a ``memmove``. Spans of one call must not overlap.
+``cudaMemcpyAsync`` per span. A grid of spans (:func:`copy_span_grid`: the same spans
+repeated at a fixed pitch, e.g. once per layer) is one batch too, or without the batched
+call one ``cudaMemcpy2DAsync`` per span, covering every repeat.
 
-``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span copies only).
+The batched call refuses the legacy default stream (torch's default): there it goes to the
+per-thread default stream instead, which the legacy stream orders against in both
+directions, so the copies still run after the work before them and before the work after
+them. Addresses are the ones the device uses (UVA addresses of pinned host memory); the
+direction of each copy follows from them (``cudaMemcpyDefault``). On the CPU each span is a
+``memmove``. Spans of one call must not overlap.
+
+``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span and 2-D copies only).
 """
 
 from __future__ import annotations
@@ -97,6 +101,11 @@ class CudaCopier:
         self.memcpy_async.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.c_int, ctypes.c_void_p)
         self.memcpy_async.restype = ctypes.c_int
+        self.memcpy_2d_async = cudart.cudaMemcpy2DAsync
+        self.memcpy_2d_async.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                         ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+                                         ctypes.c_int, ctypes.c_void_p)
+        self.memcpy_2d_async.restype = ctypes.c_int
         try:
             self._batch = _batch_entry(_load(("libcuda.so.1", "libcuda.so")))
         except (RuntimeError, AttributeError) as e:
@@ -113,6 +122,18 @@ class CudaCopier:
             rc = copy(d, s, n, _MEMCPY_DEFAULT, stream)
             if rc != 0:
                 raise RuntimeError(f"cudaMemcpyAsync({d:#x} <- {s:#x}, {n} B) failed: error {rc}")
+        return len(dsts)
+
+    def per_column(self, dsts: list, srcs: list, widths: list, dst_pitch: int,
+                   src_pitch: int, height: int, stream: int) -> int:
+        """One ``cudaMemcpy2DAsync`` per span: ``height`` repeats of ``widths[i]`` bytes,
+        ``dst_pitch`` / ``src_pitch`` apart."""
+        copy = self.memcpy_2d_async
+        for d, s, w in zip(dsts, srcs, widths, strict=True):
+            rc = copy(d, dst_pitch, s, src_pitch, w, height, _MEMCPY_DEFAULT, stream)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpy2DAsync({d:#x} <- {s:#x}, {w} B x {height}) "
+                                   f"failed: error {rc}")
         return len(dsts)
 
     def batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
@@ -188,3 +209,41 @@ def copy_spans(dsts, srcs, sizes, *, device: torch.device, src_on_device: bool =
                             here if src_on_device else there, here if dst_on_device else there):
                 return -(-len(dsts) // MAX_BATCH)
         return copier.per_span(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)
+
+
+def copy_span_grid(dsts, srcs, sizes, *, height: int, dst_pitch: int, src_pitch: int,
+                   device: torch.device, src_on_device: bool = False,
+                   dst_on_device: bool = False, batch: bool | None = None) -> int:
+    """Copy ``sizes[i]`` bytes from ``srcs[i] + k * src_pitch`` to ``dsts[i] + k *
+    dst_pitch`` for every ``i`` and ``k < height`` (e.g. the same row runs in every layer).
+    Pitches must be at least the largest span where ``height > 1``.
+
+    On CUDA: one batched call (as :func:`copy_spans`), else one 2-D copy per span, so the
+    host issues ``len(sizes)`` calls, not ``height`` times as many. On the CPU every span
+    is a ``memmove``. Returns the number of copy calls issued."""
+    dsts = np.asarray(dsts, dtype=np.int64).reshape(-1)
+    srcs = np.asarray(srcs, dtype=np.int64).reshape(-1)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    if not len(dsts) == len(srcs) == len(sizes):
+        raise ValueError(f"span lists differ in length: {len(dsts)}, {len(srcs)}, {len(sizes)}")
+    if height < 1:
+        raise ValueError(f"height must be at least 1, got {height}")
+    if height > 1 and len(sizes) and int(sizes.max()) > min(dst_pitch, src_pitch):
+        raise ValueError(f"spans of up to {int(sizes.max())} B overlap their next repeat "
+                         f"(pitches {dst_pitch}, {src_pitch})")
+    if len(dsts) == 0:
+        return 0
+    use_batch = batch_enabled() if batch is None else batch
+    flat = device.type != "cuda" or height == 1 or (use_batch and cuda_copier().has_batch)
+    if flat:  # every span listed: the batched call (or memmoves on the CPU)
+        k = np.arange(height, dtype=np.int64)[:, None]
+        return copy_spans((dsts[None, :] + k * dst_pitch).reshape(-1),
+                          (srcs[None, :] + k * src_pitch).reshape(-1),
+                          np.broadcast_to(sizes, (height, len(sizes))).reshape(-1),
+                          device=device, src_on_device=src_on_device,
+                          dst_on_device=dst_on_device, batch=batch)
+    copier = cuda_copier()
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        return copier.per_column(dsts.tolist(), srcs.tolist(), sizes.tolist(), dst_pitch,
+                                 src_pitch, height, stream)

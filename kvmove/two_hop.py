@@ -5,7 +5,8 @@ a ring beside the KV buffer (:mod:`kvmove.device_ring`):
 
 - gather (KV -> host): the row-copy kernel packs the KV rows into the ring at HBM speed,
   then the copy engine moves each run of consecutive host rows as one span per layer
-  (:func:`kvmove.copy_engine.copy_spans`: one batched call, or one async copy per span);
+  (:func:`kvmove.copy_engine.copy_span_grid`: one batched call, or one 2-D async copy per
+  run that covers every layer);
 - scatter (host -> KV): the copy engine moves the host spans into the ring, then the kernel
   scatters the ring rows into the KV.
 
@@ -22,33 +23,52 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmove.copy_engine import copy_spans
+from kvmove.copy_engine import copy_span_grid
 from kvmove.device_ring import ring_for
 from kvmove.row_pool import BufferRows
 from kvmove.torch_backend import copy_rows_torch
 
 
-def host_spans(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
-               layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The spans between ring rows ``0..k-1`` and host rows ``host_rows`` (``[k]``), for each
-    layer: one span per run of consecutive host rows (per row where the host pitch exceeds
-    the row). Returns ``(host_addresses, ring_addresses, sizes)``, layer-major."""
+def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
+              layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
+    """The spans between ring rows ``0..k-1`` and host rows ``host_rows`` (``[k]``): one span
+    per run of consecutive host rows (per row where the host pitch exceeds the row), in
+    every layer of ``layers``. Returns ``(host_addresses, ring_addresses, sizes,
+    host_pitch, ring_pitch, height)``: the spans of the first layer, repeated ``height``
+    times at those pitches, where the layers are evenly spaced on both sides (always, for
+    all layers of a staging buffer and its ring); else every span listed, height 1."""
     k = len(host_rows)
     rb = host.row_bytes
     if k == 0 or not layers:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
+        return empty, empty, empty, 0, 0, 1
     if host.pitch == rb:
         starts = np.concatenate(([0], np.flatnonzero(np.diff(host_rows) != 1) + 1))
     else:
         starts = np.arange(k)
-    lengths = np.diff(np.append(starts, k))
+    sizes = np.diff(np.append(starts, k)) * rb
     host_base = np.array([host.device_addresses[i] for i in layers], dtype=np.int64)
     ring_base = np.array([ring.device_addresses[i] for i in layers], dtype=np.int64)
-    host_addr = host_base[:, None] + (host_rows[starts] * host.pitch)[None, :]
-    ring_addr = ring_base[:, None] + (starts * rb)[None, :]
-    sizes = np.broadcast_to(lengths * rb, host_addr.shape)
-    return host_addr.reshape(-1), ring_addr.reshape(-1), sizes.reshape(-1)
+    host_off, ring_off = host_rows[starts] * host.pitch, starts * rb
+    steps = np.diff(host_base), np.diff(ring_base)
+    if len(layers) == 1 or all(int(d[0]) > 0 and bool((d == d[0]).all()) for d in steps):
+        pitches = (int(steps[0][0]), int(steps[1][0])) if len(layers) > 1 else (0, 0)
+        return (host_base[0] + host_off, ring_base[0] + ring_off, sizes, *pitches,
+                len(layers))
+    host_addr = (host_base[:, None] + host_off[None, :]).reshape(-1)
+    ring_addr = (ring_base[:, None] + ring_off[None, :]).reshape(-1)
+    return host_addr, ring_addr, np.tile(sizes, len(layers)), 0, 0, 1
+
+
+def host_spans(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
+               layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every span of :func:`span_grid`, listed layer by layer: ``(host_addresses,
+    ring_addresses, sizes)``."""
+    host_addr, ring_addr, sizes, host_pitch, ring_pitch, height = span_grid(
+        host, host_rows, ring, layers)
+    k = np.arange(height, dtype=np.int64)[:, None]
+    return ((host_addr[None, :] + k * host_pitch).reshape(-1),
+            (ring_addr[None, :] + k * ring_pitch).reshape(-1), np.tile(sizes, height))
 
 
 def _device_copy(src, dst, layers, src_rows, dst_rows, *, inner, direction, page_tokens):
@@ -107,14 +127,17 @@ def copy_rows_two_hop(
             k_rows = torch.from_numpy(kv_rows[start:start + ring.capacity])
             h_rows = host_rows[start:start + ring.capacity]
             r_rows = torch.arange(len(k_rows), dtype=torch.int64)
-            host_addr, ring_addr, sizes = host_spans(host, h_rows, ring.rows, layers)
+            host_addr, ring_addr, sizes, host_pitch, ring_pitch, height = span_grid(
+                host, h_rows, ring.rows, layers)
             if gathering:
                 _device_copy(kv, ring.rows, layers, k_rows, r_rows, inner=inner,
                              direction=direction, page_tokens=page_tokens)
-                copy_spans(host_addr, ring_addr, sizes, device=kv.device,
-                           src_on_device=kv_on_device, dst_on_device=host_on_device)
+                copy_span_grid(host_addr, ring_addr, sizes, height=height,
+                               dst_pitch=host_pitch, src_pitch=ring_pitch, device=kv.device,
+                               src_on_device=kv_on_device, dst_on_device=host_on_device)
             else:
-                copy_spans(ring_addr, host_addr, sizes, device=kv.device,
-                           src_on_device=host_on_device, dst_on_device=kv_on_device)
+                copy_span_grid(ring_addr, host_addr, sizes, height=height,
+                               dst_pitch=ring_pitch, src_pitch=host_pitch, device=kv.device,
+                               src_on_device=host_on_device, dst_on_device=kv_on_device)
                 _device_copy(ring.rows, kv, layers, r_rows, k_rows, inner=inner,
                              direction=direction, page_tokens=page_tokens)

@@ -218,6 +218,30 @@ def test_copy_engine_spans_on_a_side_stream():
     assert torch.equal(host, expect)
 
 
+@pytest.mark.parametrize("batch", [True, False])
+def test_copy_engine_grid_covers_every_layer(batch):
+    from kvmove.copy_engine import copy_span_grid
+
+    layers, pitch = 5, 1 << 16
+    src = torch.randint(0, 256, (layers * pitch,), dtype=torch.uint8, device=CUDA)
+    host = torch.zeros(layers * 2 * pitch, dtype=torch.uint8, pin_memory=True)
+    starts, widths = [0, 4096, 40000], [1000, 8192, 656]
+    calls = copy_span_grid([host.data_ptr() + s for s in starts],
+                           [src.data_ptr() + s for s in starts], widths, height=layers,
+                           dst_pitch=2 * pitch, src_pitch=pitch, device=CUDA,
+                           src_on_device=True, batch=batch)
+    torch.cuda.synchronize()
+    print(f"grid copy, batch={batch}: {calls} call(s) for {len(starts) * layers} spans")
+    expect = torch.zeros_like(host)
+    cpu = src.cpu()
+    for k in range(layers):
+        for s, w in zip(starts, widths, strict=True):
+            expect[2 * pitch * k + s:2 * pitch * k + s + w] = cpu[pitch * k + s:pitch * k + s + w]
+    assert torch.equal(host, expect)
+    if not batch:
+        assert calls == len(starts)  # one 2-D copy per span, covering every layer
+
+
 def test_tune_key_finds_a_valid_config():
     from kvmove import tuning
 

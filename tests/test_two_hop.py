@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import kvmove
 from kvmove.copy import resolve_backend
-from kvmove.copy_engine import copy_spans
+from kvmove.copy_engine import copy_span_grid, copy_spans
 from kvmove.device_ring import ENV_RING_BYTES, ring_for
-from kvmove.two_hop import copy_rows_two_hop, host_spans
+from kvmove.two_hop import copy_rows_two_hop, host_spans, span_grid
 from tests.caches import (
     assert_same,
     buffer_specs,
@@ -136,6 +136,51 @@ def test_host_spans_merge_adjacent_rows_only():
     assert sizes.tolist() == [8, 8, 8]
     empty = host_spans(host, np.array([], dtype=np.int64), ring, [0, 1])
     assert all(len(x) == 0 for x in empty)
+
+
+def test_span_grid_repeats_one_layers_spans_at_the_layer_pitch():
+    kv = build_cache([("kv", 4, 8, torch.uint8, 0, True)], 16)
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
+    host = staging.row_pool.buffers["kv"]
+    ring = ring_for(kv.row_pool.buffers["kv"]).rows
+    rows = np.array([4, 5, 6, 9, 10, 2])
+    host_addr, ring_addr, sizes, host_pitch, ring_pitch, height = span_grid(
+        host, rows, ring, [0, 1, 2, 3])
+    assert height == 4 and len(sizes) == 3  # three runs, not twelve spans
+    assert host_pitch == host.device_addresses[1] - host.device_addresses[0] == 16 * 8
+    assert ring_pitch == ring.device_addresses[1] - ring.device_addresses[0]
+    assert (host_addr - host.device_addresses[0]).tolist() == [4 * 8, 9 * 8, 2 * 8]
+    assert (ring_addr - ring.device_addresses[0]).tolist() == [0, 3 * 8, 5 * 8]
+    # Unevenly spaced layers: every span listed.
+    host_addr, _, sizes, _, _, height = span_grid(host, rows, ring, [0, 1, 3])
+    assert height == 1 and len(sizes) == 9
+    assert (host_addr[6:] - host.device_addresses[3]).tolist() == [4 * 8, 9 * 8, 2 * 8]
+    # host_spans lists the grid's spans layer by layer.
+    flat_host, flat_ring, flat_sizes = host_spans(host, rows, ring, [0, 1, 2, 3])
+    assert len(flat_sizes) == 12
+    assert (flat_host[3:6] - host.device_addresses[1]).tolist() == [4 * 8, 9 * 8, 2 * 8]
+    assert (flat_ring[9:] - ring.device_addresses[3]).tolist() == [0, 3 * 8, 5 * 8]
+
+
+def test_copy_span_grid_on_the_cpu_copies_every_repeat():
+    src = torch.arange(200, dtype=torch.uint8)
+    dst = torch.zeros(300, dtype=torch.uint8)
+    a, b = src.data_ptr(), dst.data_ptr()
+    calls = copy_span_grid([b + 1, b + 20], [a, a + 10], [4, 3], height=3, dst_pitch=100,
+                           src_pitch=50, device=torch.device("cpu"))
+    assert calls == 6
+    expect = torch.zeros(300, dtype=torch.uint8)
+    for k in range(3):
+        expect[1 + 100 * k:5 + 100 * k] = src[50 * k:4 + 50 * k]
+        expect[20 + 100 * k:23 + 100 * k] = src[10 + 50 * k:13 + 50 * k]
+    assert torch.equal(dst, expect)
+    with pytest.raises(ValueError, match="height"):
+        copy_span_grid([b], [a], [1], height=0, dst_pitch=8, src_pitch=8,
+                       device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="overlap"):
+        copy_span_grid([b], [a], [10], height=2, dst_pitch=8, src_pitch=80,
+                       device=torch.device("cpu"))
+    assert torch.equal(dst, expect)  # refused before anything was copied
 
 
 def test_copy_spans_on_the_cpu_moves_each_span():
