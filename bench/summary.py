@@ -118,10 +118,15 @@ def headlines(data: dict) -> list[Headline]:
                                 f"(median of {len(v)} cases, {min(v, default=0):.2f}-"
                                 f"{max(v, default=0):.2f}x)", _median(v), 0.9))
         for d in ("gather", "scatter"):
-            v = _own_cost([r for r in records if r["direction"] == d])
+            rs = [r for r in records if r["direction"] == d]
+            v = _own_cost(rs)
+            extra = _median([r["methods"]["torch"]["median_s"] - m["median_s"] for r in rs
+                             if (m := r["methods"].get("primitive_units")
+                                 or r["methods"].get("primitive")) and "torch" in r["methods"]])
             out.append(Headline(f"torch {d} vs the primitive calls it makes, made plainly "
                                 f"(its own cost; median of {len(v)} cases, "
-                                f"{min(v, default=0):.2f}-{max(v, default=0):.2f}x)",
+                                f"{min(v, default=0):.2f}-{max(v, default=0):.2f}x; it adds "
+                                f"{(extra or 0) * 1e3:.2f} ms per call, median)",
                                 _median(v), 0.9))
             big = [r for r in records if r["direction"] == d and r["bytes"] >= LARGE_BYTES]
             v = _own_cost(big)

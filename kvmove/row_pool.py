@@ -8,9 +8,13 @@ pool whose rows are ``slot * page_tokens + t``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+
+RUN_VIEWS_KEPT = 32  # per buffer: runs whose per-layer views are kept
+WIDE_TYPES = (torch.int64, torch.int32, torch.int16)  # element-wise copies: widest first
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class BufferRows:
     # Addresses the device uses for each layer's base (UVA addresses of pinned host memory).
     device_addresses: tuple[int, ...]
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
+    _runs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -44,21 +49,60 @@ class BufferRows:
             self._tables[key] = table
         return table
 
+    def widest_type(self, unit: int) -> torch.dtype:
+        """The widest integer type whose elements tile every unit of ``unit`` rows in every
+        layer: the unit's bytes, its pitch and each layer's base address are multiples of
+        its size (uint8 when nothing wider fits; cached)."""
+        key = ("width", unit)
+        dtype = self._tables.get(key)
+        if dtype is None:
+            dtype = torch.uint8
+            for wide in WIDE_TYPES:
+                size = wide.itemsize
+                if (unit * self.row_bytes) % size == 0 and (unit * self.pitch) % size == 0 \
+                        and all(t.data_ptr() % size == 0 for t in self.layers):
+                    dtype = wide
+                    break
+            self._tables[key] = dtype
+        return dtype
 
-    def page_views(self, layers: list[int], page_tokens: int) -> list[torch.Tensor]:
-        """Per layer in ``layers``, the rows as ``[num_rows // page_tokens, page_tokens *
-        row_bytes]`` pages (row ``p * page_tokens + t`` is token ``t`` of page ``p``; a
-        trailing part page is left out). Only for rows without padding (cached)."""
-        if self.pitch != self.row_bytes:
-            raise ValueError(f"buffer {self.name!r} has padded rows (pitch {self.pitch} > "
-                             f"{self.row_bytes} bytes): no page views")
-        views = self._tables.get(("pages", page_tokens))
+    def unit_views(self, unit: int, dtype: torch.dtype = torch.uint8
+                   ) -> tuple[torch.Tensor, ...]:
+        """Per layer, the rows in units of ``unit`` rows: ``[num_rows // unit, unit *
+        row_bytes]`` bytes (unit ``u`` is rows ``u * unit ..``; a trailing part unit is left
+        out), as elements of ``dtype`` (see :meth:`widest_type`). Unit 1 is the rows as they
+        are; larger units need rows without padding (cached)."""
+        key = ("units", unit, dtype)
+        views = self._tables.get(key)
         if views is None:
-            pages = self.num_rows // page_tokens
-            views = tuple(t[: pages * page_tokens].view(pages, page_tokens * self.row_bytes)
-                          for t in self.layers)
-            self._tables[("pages", page_tokens)] = views
-        return [views[i] for i in layers]
+            if unit == 1:
+                views = self.layers
+            elif self.pitch != self.row_bytes:
+                raise ValueError(f"buffer {self.name!r} has padded rows (pitch {self.pitch} > "
+                                 f"{self.row_bytes} bytes): no units of {unit} rows")
+            else:
+                n = self.num_rows // unit
+                views = tuple(t[: n * unit].view(n, unit * self.row_bytes)
+                              for t in self.layers)
+            if dtype != torch.uint8:
+                views = tuple(v.view(dtype) for v in views)
+            self._tables[key] = views
+        return views
+
+    def run_views(self, unit: int, start: int, count: int, dtype: torch.dtype = torch.uint8
+                  ) -> tuple[torch.Tensor, ...]:
+        """Per layer, units ``start .. start + count - 1`` of :meth:`unit_views`. The views of
+        the last few runs are kept: a slot allocator hands out the same runs again and
+        again, and slicing every layer anew costs more than the copy of a small batch."""
+        key = (unit, start, count, dtype)
+        views = self._runs.get(key)
+        if views is None:
+            views = tuple(t[start : start + count] for t in self.unit_views(unit, dtype))
+            self._runs[key] = views
+            if len(self._runs) > RUN_VIEWS_KEPT:
+                with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                    del self._runs[next(iter(self._runs))]  # the oldest
+        return views
 
 
 class RowPool:

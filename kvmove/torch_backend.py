@@ -7,14 +7,16 @@ Speed on the CPU:
 
 - the index work is done once per call, in numpy, for all buffers and layers
   (:func:`plan_rows`): skips and out-of-range rows are dropped, and runs are found;
-- whole pages move as one unit: where ``page_tokens`` rows are the aligned run
-  ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed as
-  ``[pages, page_tokens * row_bytes]`` and the primitive moves pages, not rows
-  (``page_tokens`` times fewer index entries, each copy that many times larger);
+- whole pages move in units of several rows: where ``page_tokens`` rows are the aligned
+  run ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed
+  as ``[units, unit_tokens * row_bytes]`` (units of up to :data:`UNIT_BYTES`) and the
+  primitive moves units, not rows (fewer index entries, each copy larger);
+- a gather or scatter whose pages are all whole (the usual paged KV cache) is planned from
+  the pages alone (:func:`plan_whole_pages`): no row lists are built;
 - ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row;
-  ``index_copy_`` copies element by element, so its rows are viewed with the widest integer
-  type that the row size, pitch and base addresses allow (8 bytes instead of 1: about 5x
-  faster at 656-byte rows).
+  ``index_copy_`` copies element by element, so its units are viewed with the widest integer
+  type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
+  faster at 656-byte rows); the per-layer views are cached by the row pools.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import torch
 
 from kvmove.row_pool import BufferRows
 
-_WIDE_TYPES = (torch.int64, torch.int32, torch.int16)
 # Pages move in units of at most this many bytes: torch's CPU index_select leaves its
 # memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
 UNIT_BYTES = 16 << 10
@@ -84,10 +85,10 @@ class RowPlan:
     on both sides, which can move as units larger than a row. Built by :func:`plan_rows`
     (from row lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
 
-    def __init__(self, page_tokens: int, errors: int, firsts, all_whole: bool, rows, rest):
+    def __init__(self, page_tokens: int, errors: int, pages, all_whole: bool, rows, rest):
         self.page_tokens = page_tokens
         self.errors = errors  # out-of-range rows, skipped
-        self._firsts = firsts  # (src, dst) first rows of the whole pages, or None
+        self._pages = pages  # (src, dst) page numbers of the whole pages, or None
         self.all_whole = all_whole
         self._make_rows, self._make_rest = rows, rest  # () -> _Part, on first use
         self._rows: _Part | None = None
@@ -96,7 +97,7 @@ class RowPlan:
 
     @property
     def some_whole(self) -> bool:
-        return self._firsts is not None
+        return self._pages is not None
 
     @property
     def rows(self) -> _Part:
@@ -119,11 +120,11 @@ class RowPlan:
         if part is None:
             per_page = self.page_tokens // unit_tokens
             if per_page == 1:
-                part = _Part(*(f // unit_tokens for f in self._firsts))
+                part = _Part(*self._pages)
             else:
                 step = np.arange(per_page, dtype=np.int64)
-                part = _Part(*(((f // unit_tokens)[:, None] + step).reshape(-1)
-                               for f in self._firsts))
+                part = _Part(*((p[:, None] * per_page + step).reshape(-1)
+                               for p in self._pages))
             self._units[unit_tokens] = part
         return part
 
@@ -161,8 +162,9 @@ def plan_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_limit: int,
         return _Part(s[left], d[left])
 
     all_whole = bool(whole.all())
-    firsts = tuple(x[::page_tokens] if all_whole else x[::page_tokens][whole] for x in (s, d))
-    return RowPlan(page_tokens, errors, firsts, all_whole, rows, rest)
+    pages = tuple((x[::page_tokens] if all_whole else x[::page_tokens][whole]) // page_tokens
+                  for x in (s, d))
+    return RowPlan(page_tokens, errors, pages, all_whole, rows, rest)
 
 
 def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
@@ -186,12 +188,15 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         return None
 
     def rows() -> _Part:
-        kv_flat = np.asarray(kv.reshape(-1), dtype=np.int64)
-        st_flat = (st[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
+        kv_flat = first if page_tokens == 1 else np.asarray(kv.reshape(-1), dtype=np.int64)
+        st_flat = st if page_tokens == 1 else \
+            (st[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
         return _Part(kv_flat, st_flat) if kv_is_src else _Part(st_flat, kv_flat)
 
-    firsts = (first, st * page_tokens) if kv_is_src else (st * page_tokens, first)
-    return RowPlan(page_tokens, 0, firsts if page_tokens > 1 else None, page_tokens > 1,
+    if page_tokens == 1:
+        return RowPlan(1, 0, None, False, rows, rows)
+    kv_page = first // page_tokens
+    return RowPlan(page_tokens, 0, (kv_page, st) if kv_is_src else (st, kv_page), True,
                    rows, rows)
 
 
@@ -217,41 +222,34 @@ def _whole_pages(rows: np.ndarray, page_tokens: int, limit: int) -> np.ndarray:
     return ok & steps.reshape(-1, page_tokens)[:, :-1].all(axis=1)
 
 
-def widest_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two ``[units, unit_bytes]`` uint8 views as the widest integer units both allow."""
-    unit_bytes = a.shape[1]
-    for dtype in _WIDE_TYPES:
-        size = dtype.itemsize
-        if unit_bytes % size == 0 and all(
-            t.data_ptr() % size == 0 and (t.shape[0] <= 1 or t.stride(0) % size == 0)
-            for t in (a, b)
-        ):
-            return a.view(dtype), b.view(dtype)
-    return a, b
-
-
-def _index_copy(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[rows[i]] = src[i]`` for byte units, in wide words where possible."""
-    wide_dst, wide_src = widest_views(dst, src)
-    wide_dst.index_copy_(0, rows, wide_src)
-
-
-def _copy_part(src_views, dst_views, part: _Part, src_device, dst_device) -> None:
-    """``dst_view[part.dst[i]] = src_view[part.src[i]]`` for each pair of layer views."""
+def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
+               part: _Part) -> None:
+    """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
     m = len(part)
-    same_device = src_device == dst_device
-    s_idx = part.tensor("src", src_device)
+    same_device = src.device == dst.device
+    s_idx = part.tensor("src", src.device)
     d0 = part.run("dst") if same_device else None
-    if d0 is not None and dst_views[0][d0 : d0 + m].is_contiguous():
-        for src_l, dst_l in zip(src_views, dst_views, strict=True):  # a memcpy per unit
-            torch.index_select(src_l, 0, s_idx, out=dst_l[d0 : d0 + m])
-        return
-    d_idx = part.tensor("dst", dst_device)
+    if d0 is not None:
+        runs = dst.run_views(unit, d0, m)
+        if runs[0].is_contiguous():  # into a run: a memcpy per unit
+            views = src.unit_views(unit)
+            for i in layers:
+                torch.index_select(views[i], 0, s_idx, out=runs[i])
+            return
+    # Element-wise: in the widest integer type both sides allow.
+    wide = min(src.widest_type(unit), dst.widest_type(unit), key=lambda t: t.itemsize)
+    d_idx = part.tensor("dst", dst.device)
+    dst_views = dst.unit_views(unit, wide)
     s0 = part.run("src") if same_device else None
-    for src_l, dst_l in zip(src_views, dst_views, strict=True):
-        taken = (src_l[s0 : s0 + m] if s0 is not None
-                 else src_l.index_select(0, s_idx).to(dst_device))
-        _index_copy(dst_l, d_idx, taken)
+    if s0 is not None:  # from a run
+        taken = src.run_views(unit, s0, m, wide)
+        for i in layers:
+            dst_views[i].index_copy_(0, d_idx, taken[i])
+        return
+    src_views = src.unit_views(unit)
+    for i in layers:
+        taken = src_views[i].index_select(0, s_idx).to(dst.device)
+        dst_views[i].index_copy_(0, d_idx, taken.view(wide))
 
 
 def copy_rows_torch(
@@ -278,11 +276,9 @@ def copy_rows_torch(
     unit = unit_tokens(plan.page_tokens, src.row_bytes)
     by_page = plan.some_whole and unit > 1 and src.pitch == src.row_bytes == dst.pitch
     if by_page:
-        _copy_part(src.page_views(layers, unit), dst.page_views(layers, unit),
-                   plan.units(unit), src.device, dst.device)
+        _copy_part(src, dst, layers, unit, plan.units(unit))
         if plan.all_whole:
             return
     rows = plan.rest if by_page else plan.rows
     if len(rows):
-        _copy_part([src.layers[i] for i in layers], [dst.layers[i] for i in layers], rows,
-                   src.device, dst.device)
+        _copy_part(src, dst, layers, 1, rows)
