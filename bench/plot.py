@@ -26,6 +26,10 @@ def plot(data: dict, path: Path) -> Path:
     fig, axes = plt.subplots(len(directions), len(tokens), squeeze=False, sharey=True,
                              figsize=(4.2 * len(tokens), 3.6 * len(directions)))
     methods = methods_of(records, "kvmove") + methods_of(records, "baseline")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = {m: STYLE.get(m, {"marker": "o", "color": colors[k % len(colors)]})
+              for k, m in enumerate(methods)}  # one colour per method in every panel
+    legend: dict[str, object] = {}
     for i, d in enumerate(directions):
         for j, pt in enumerate(tokens):
             ax = axes[i][j]
@@ -35,8 +39,8 @@ def plot(data: dict, path: Path) -> Path:
                 pts = [(r["row_bytes"], r["methods"][m]["gbps"]) for r in rs if m in r["methods"]]
                 if pts:
                     x, y = zip(*pts, strict=True)
-                    style = STYLE.get(m, {"marker": "o"})
-                    ax.plot(x, y, label=LABELS.get(m, m), **style)
+                    [line] = ax.plot(x, y, label=LABELS.get(m, m), **styles[m])
+                    legend.setdefault(m, line)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xticks([r["row_bytes"] for r in rs], [str(r["row_bytes"]) for r in rs])
@@ -46,8 +50,9 @@ def plot(data: dict, path: Path) -> Path:
                 ax.set_xlabel("row bytes")
             if j == 0:
                 ax.set_ylabel("GB/s")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9)
+    shown = [m for m in methods if m in legend]  # every method of any panel, in order
+    fig.legend([legend[m] for m in shown], [LABELS.get(m, m) for m in shown],
+               loc="lower center", ncol=min(len(shown), 5), fontsize=9)
     machine = data["machine"]["title"]
     layers = data["settings"]["layers"]
     fig.suptitle(f"kvmove row copies on {machine} ({layers} layers; median GB/s)", fontsize=11)
