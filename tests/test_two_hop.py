@@ -119,12 +119,19 @@ def test_triton_interpreter_as_the_device_copy(direction, monkeypatch):
     assert_same(snapshot(dst_pool), snapshot(ref_dst))
 
 
-def test_host_spans_merge_adjacent_rows_only():
-    kv = build_cache([("kv", 2, 8, torch.uint8, 0, True)], 16)
+HOST_ROWS = np.array([4, 5, 6, 9, 10, 2])  # runs 4-6, 9-10 and 2
+
+
+def staging_and_ring(layers: int):
+    """The rows of a 4-slot, 4-token staging buffer of 8-byte rows, and its KV's ring."""
+    kv = build_cache([("kv", layers, 8, torch.uint8, 0, True)], 16)
     staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
-    host = staging.row_pool.buffers["kv"]
-    ring = ring_for(kv.row_pool.buffers["kv"]).rows
-    rows = np.array([4, 5, 6, 9, 10, 2])
+    return staging.row_pool.buffers["kv"], ring_for(kv.row_pool.buffers["kv"]).rows
+
+
+def test_host_spans_merge_adjacent_rows_only():
+    host, ring = staging_and_ring(2)
+    rows = HOST_ROWS
     host_addr, ring_addr, sizes = host_spans(host, rows, ring, [1])
     base_h, base_r = host.device_addresses[1], ring.device_addresses[1]
     assert (host_addr - base_h).tolist() == [4 * 8, 9 * 8, 2 * 8]
@@ -139,11 +146,8 @@ def test_host_spans_merge_adjacent_rows_only():
 
 
 def test_span_grid_repeats_one_layers_spans_at_the_layer_pitch():
-    kv = build_cache([("kv", 4, 8, torch.uint8, 0, True)], 16)
-    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=4)
-    host = staging.row_pool.buffers["kv"]
-    ring = ring_for(kv.row_pool.buffers["kv"]).rows
-    rows = np.array([4, 5, 6, 9, 10, 2])
+    host, ring = staging_and_ring(4)
+    rows = HOST_ROWS
     host_addr, ring_addr, sizes, host_pitch, ring_pitch, height = span_grid(
         host, rows, ring, [0, 1, 2, 3])
     assert height == 4 and len(sizes) == 3  # three runs, not twelve spans
