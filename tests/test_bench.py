@@ -4,7 +4,12 @@ checked inside it), and its report, table and plot come from the results file al
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
+import pytest
 import torch
 
 from bench import baselines, report, run_all, summary
@@ -102,3 +107,16 @@ def test_per_call_baselines_copy_the_right_bytes():
             assert nbytes == case.nbytes
     assert baselines.build("primitive_units", w, Case("gather", 132, 1, 8, 2),
                            max_calls=10) is None  # one-token pages: the plain primitive
+
+
+def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)  # the whole script parses
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU machine: the script would run for real")
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs a CUDA GPU machine" in done.stdout
+    assert "needs a CUDA GPU machine" in (out / "gpu_check.log").read_text()
