@@ -72,7 +72,8 @@ def _widest_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     for dtype in WIDE_TYPES:
         size = dtype.itemsize
         if unit_bytes % size == 0 and all(
-            t.data_ptr() % size == 0 and (t.shape[0] <= 1 or t.stride(0) % size == 0)
+            t.data_ptr() % size == 0 and t.storage_offset() % size == 0
+            and (t.shape[0] <= 1 or t.stride(0) % size == 0)
             for t in (a, b)
         ):
             return a.view(dtype), b.view(dtype)

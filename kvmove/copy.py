@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import torch
 
 from kvmove.cache import KVCache
-from kvmove.indices import as_index_tensor, check_range, check_unique, page_rows
+from kvmove.indices import (
+    as_index_tensor,
+    check_disjoint,
+    check_range,
+    check_unique,
+    page_rows,
+)
 from kvmove.row_pool import BufferRows, RowPool
 from kvmove.staging import StagingBuffer
 from kvmove.torch_backend import RowPlan, copy_rows_torch, plan_rows, plan_whole_pages
@@ -223,6 +229,9 @@ def copy_rows(
     mismatches raise before anything is written. With ``check=False`` out-of-range rows are
     skipped and counted instead. Returns the int32 ``[1]`` error counter (on the copy's
     device; ``errors`` accumulates into a caller's counter).
+
+    ``src`` and ``dst`` may be the same pool (e.g. moving KV pages inside one cache); then
+    ``check=True`` also refuses a row that is both read and written.
     """
     sp, dp = _row_pool(src, "src"), _row_pool(dst, "dst")
     device = kernel_device(sp, dp)
@@ -233,6 +242,8 @@ def copy_rows(
             f"src_rows has {src_rows.numel()} rows but dst_rows has {dst_rows.numel()}"
         )
     _check_geometry(sp, dp)
+    if check and src is dst:
+        check_disjoint(src_rows, dst_rows)
     staging = next((p for p in (src, dst) if isinstance(p, StagingBuffer)), None)
     page_tokens = staging.page_tokens if staging is not None else 1
     direction = "gather" if isinstance(dst, StagingBuffer) else "scatter"
@@ -251,7 +262,7 @@ def _page_args(kv, staging, token_pages, slots):
     token_pages = as_index_tensor(token_pages, "token_pages", dim=2, device=device)
     slots = as_index_tensor(slots, "slots", dim=1, device=device)
     n, p = token_pages.shape
-    if token_pages.numel() and p != staging.page_tokens:
+    if n and p != staging.page_tokens:
         raise ValueError(
             f"token_pages has {p} tokens per page but the staging has page_tokens="
             f"{staging.page_tokens}"

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 ENV_BATCH = "KVMOVE_COPY_BATCH"
 MAX_BATCH = 8192  # spans per cuMemcpyBatchAsync call
+MAX_2D_PITCH = (1 << 31) - 1  # cudaDevAttrMaxPitch on current GPUs: wider pitches go span by span
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
 _SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
@@ -219,8 +220,9 @@ def copy_span_grid(dsts, srcs, sizes, *, height: int, dst_pitch: int, src_pitch:
     Pitches must be at least the largest span where ``height > 1``.
 
     On CUDA: one batched call (as :func:`copy_spans`), else one 2-D copy per span, so the
-    host issues ``len(sizes)`` calls, not ``height`` times as many. On the CPU every span
-    is a ``memmove``. Returns the number of copy calls issued."""
+    host issues ``len(sizes)`` calls, not ``height`` times as many (per-span copies where a
+    pitch exceeds :data:`MAX_2D_PITCH`). On the CPU every span is a ``memmove``. Returns
+    the number of copy calls issued."""
     dsts = np.asarray(dsts, dtype=np.int64).reshape(-1)
     srcs = np.asarray(srcs, dtype=np.int64).reshape(-1)
     sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
@@ -234,7 +236,8 @@ def copy_span_grid(dsts, srcs, sizes, *, height: int, dst_pitch: int, src_pitch:
     if len(dsts) == 0:
         return 0
     use_batch = batch_enabled() if batch is None else batch
-    flat = device.type != "cuda" or height == 1 or (use_batch and cuda_copier().has_batch)
+    flat = (device.type != "cuda" or height == 1 or max(dst_pitch, src_pitch) > MAX_2D_PITCH
+            or (use_batch and cuda_copier().has_batch))
     if flat:  # every span listed: the batched call (or memmoves on the CPU)
         k = np.arange(height, dtype=np.int64)[:, None]
         return copy_spans((dsts[None, :] + k * dst_pitch).reshape(-1),

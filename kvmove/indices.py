@@ -86,6 +86,21 @@ def check_unique(rows: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} names row/slot {dup} more than once; destinations must be unique")
 
 
+def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Within one pool, no row is both read and written (``-1`` excepted): the result would
+    depend on the order of the copies."""
+    a, b = _values(src_rows), _values(dst_rows)
+    if isinstance(a, np.ndarray):
+        shared = np.intersect1d(a[a >= 0], b[b >= 0])
+        row = int(shared[0]) if shared.size else None
+    else:
+        hits = b[(b >= 0) & torch.isin(b, a)]
+        row = int(hits[0]) if hits.numel() else None
+    if row is not None:
+        raise ValueError(f"src_rows and dst_rows both name row {row} of the same pool: a copy "
+                         "within one pool must not write a row it reads")
+
+
 def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
     """Staging row numbers ``[n * page_tokens]`` of the pages in ``slots`` (``-1`` -> ``-1``)."""
     if slots.device.type == "cpu":  # numpy: a few microseconds instead of tens

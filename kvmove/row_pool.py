@@ -8,7 +8,7 @@ pool whose rows are ``slot * page_tokens + t``.
 
 from __future__ import annotations
 
-import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +33,8 @@ class BufferRows:
     device_addresses: tuple[int, ...]
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
     _runs: dict = field(default_factory=dict, compare=False, repr=False)
+    _runs_lock: threading.Lock = field(default_factory=threading.Lock, compare=False,
+                                       repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -51,8 +53,8 @@ class BufferRows:
 
     def widest_type(self, unit: int) -> torch.dtype:
         """The widest integer type whose elements tile every unit of ``unit`` rows in every
-        layer: the unit's bytes, its pitch and each layer's base address are multiples of
-        its size (uint8 when nothing wider fits; cached)."""
+        layer: the unit's bytes, its pitch and each layer's base address (and offset in its
+        storage) are multiples of its size (uint8 when nothing wider fits; cached)."""
         key = ("width", unit)
         dtype = self._tables.get(key)
         if dtype is None:
@@ -60,7 +62,8 @@ class BufferRows:
             for wide in WIDE_TYPES:
                 size = wide.itemsize
                 if (unit * self.row_bytes) % size == 0 and (unit * self.pitch) % size == 0 \
-                        and all(t.data_ptr() % size == 0 for t in self.layers):
+                        and all(t.data_ptr() % size == 0 and t.storage_offset() % size == 0
+                                for t in self.layers):
                     dtype = wide
                     break
             self._tables[key] = dtype
@@ -92,16 +95,16 @@ class BufferRows:
     def run_views(self, unit: int, start: int, count: int, dtype: torch.dtype = torch.uint8
                   ) -> tuple[torch.Tensor, ...]:
         """Per layer, units ``start .. start + count - 1`` of :meth:`unit_views`. The views of
-        the last few runs are kept: a slot allocator hands out the same runs again and
+        the runs used last are kept: a slot allocator hands out the same runs again and
         again, and slicing every layer anew costs more than the copy of a small batch."""
         key = (unit, start, count, dtype)
-        views = self._runs.get(key)
-        if views is None:
-            views = tuple(t[start : start + count] for t in self.unit_views(unit, dtype))
-            self._runs[key] = views
-            if len(self._runs) > RUN_VIEWS_KEPT:
-                with contextlib.suppress(RuntimeError, StopIteration, KeyError):
-                    del self._runs[next(iter(self._runs))]  # the oldest
+        with self._runs_lock:
+            views = self._runs.pop(key, None)
+            if views is None:
+                views = tuple(t[start : start + count] for t in self.unit_views(unit, dtype))
+            self._runs[key] = views  # now the most recent
+            while len(self._runs) > RUN_VIEWS_KEPT:
+                del self._runs[next(iter(self._runs))]  # the least recent
         return views
 
 

@@ -228,6 +228,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
     m = len(part)
     same_device = src.device == dst.device
     s_idx = part.tensor("src", src.device)
+    if src is dst:  # one pool: read every row first (torch refuses overlapping operands)
+        same_device = False
     d0 = part.run("dst") if same_device else None
     if d0 is not None:
         runs = dst.run_views(unit, d0, m)

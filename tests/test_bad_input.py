@@ -27,6 +27,8 @@ GATHER_CASES = [
     ("1-D token_pages", dict(token_pages=TP.reshape(-1)), ValueError, "dimension"),
     ("wrong page_tokens", dict(token_pages=torch.zeros(2, 3, dtype=torch.int64)), ValueError,
      "page_tokens"),
+    ("pages of no tokens", dict(token_pages=torch.zeros(2, 0, dtype=torch.int64)), ValueError,
+     "page_tokens"),
     ("length mismatch", dict(slots=torch.tensor([0])), ValueError, "slots"),
     ("token out of range", dict(token_pages=torch.tensor([[0, 16], [1, 2]])), IndexError,
      "token_pages"),
@@ -64,6 +66,8 @@ SCATTER_CASES = [
     ("bool layer", dict(layers=True), TypeError, "layers"),
     ("duplicate layers", dict(layers=[0, 0]), ValueError, "twice"),
     ("slot out of range", dict(slots=torch.tensor([4, 0])), IndexError, "slots"),
+    ("pages of no tokens", dict(token_pages=torch.zeros(2, 0, dtype=torch.int64)), ValueError,
+     "page_tokens"),
 ]
 
 
@@ -102,6 +106,14 @@ def test_copy_rows_rejects_mismatched_lengths_and_duplicates():
         kvmove.copy_rows(kv, torch.tensor([0, 1]), staging, torch.tensor([3, 3]))
     with pytest.raises(IndexError, match="dst_rows"):
         kvmove.copy_rows(kv, torch.tensor([0]), staging, torch.tensor([8]))
+
+
+def test_copy_within_one_pool_must_not_write_a_row_it_reads():
+    kv, _ = world()
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match="row 1 of the same pool"):
+        kvmove.copy_rows(kv, torch.tensor([1, 3, -1]), kv, torch.tensor([3, 5, 1]))
+    assert_same(before, snapshot(kv))
 
 
 def test_empty_batches_are_a_no_op():

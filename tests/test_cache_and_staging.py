@@ -143,3 +143,50 @@ def test_allocator_is_thread_safe():
         t.join()
     assert failures == []
     assert staging.num_free == 64
+
+
+def test_wide_copies_follow_the_storage_offset_not_only_the_address():
+    """A layer whose rows are 8-byte aligned in memory but sit at an odd offset of their
+    storage (torch.frombuffer with an offset) cannot be viewed as int64: the copy must
+    still be right (in narrower words)."""
+    buf = bytearray(64 * 656 + 64)
+    odd = torch.frombuffer(buf, dtype=torch.uint8, offset=1)
+    shift = (-odd.data_ptr()) % 8
+    layer = odd[shift:shift + 64 * 656].view(64, 656)
+    layer.copy_(torch.randint(0, 256, layer.shape, dtype=torch.uint8))
+    kv = kvmove.KVCache({"kv": [layer]})
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=16)
+    rows = kv.row_pool.buffers["kv"]
+    assert rows.widest_type(16).itemsize == 1 or layer.storage_offset() % 8 == 0
+    pages, slots = torch.arange(32).view(2, 16), torch.tensor([3, 1])
+    kvmove.gather(kv, staging, pages, slots, backend="torch")
+    for p, slot in enumerate(slots.tolist()):
+        assert torch.equal(staging.tensor("kv")[0, slot].view(16, 656), layer[16 * p:16 * p + 16])
+    before = layer.clone()
+    kvmove.scatter(staging, torch.tensor([1]), kv, torch.arange(16, 32).view(1, 16) + 16,
+                   backend="torch")
+    expect = before.clone()
+    expect[32:48] = staging.tensor("kv")[0, 1].view(16, 656)
+    assert torch.equal(layer, expect)
+
+
+def test_run_views_keep_only_the_latest_runs_under_threads():
+    from kvmove.row_pool import RUN_VIEWS_KEPT
+
+    kv = kvmove.KVCache({"k": torch.zeros(4, 512, 64, dtype=torch.uint8)})
+    rows = kv.row_pool.buffers["k"]
+
+    def work(t: int) -> None:
+        for i in range(2000):
+            start = (t * 7919 + i * 31) % 500
+            views = rows.run_views(1, start, 3)
+            assert views[2].data_ptr() == rows.layers[2][start].data_ptr()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(rows._runs) <= RUN_VIEWS_KEPT
+    rows.run_views(1, 7, 2)
+    assert next(reversed(rows._runs)) == (1, 7, 2, torch.uint8)  # the latest is kept last

@@ -233,3 +233,24 @@ def test_torch_plan_moves_whole_aligned_pages_as_units():
     assert plan.rows.src.tolist() == [8, 9, 10, 11, 1, 2, 3, 4, 12, 13, 0, 1, 2, 3, 16, 17]
     assert unit_tokens(64, 656) == 16 and unit_tokens(16, 4100) == 2
     assert unit_tokens(64, 132) == 64 and unit_tokens(8, 20000) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_within_one_pool_reads_before_it_writes(backend):
+    """KV to KV inside one cache (a defragmentation) and staging to staging, whole pages and
+    single rows: every destination gets its source row as it was before the call."""
+    specs = [("kv", 2, 656, torch.uint8, 0, True), ("pad", 1, 132, torch.uint8, 4, False)]
+    kv = build_cache(specs, 32, seed=8)
+    staging = kvmove.StagingBuffer(kv, num_slots=6, page_tokens=4)
+    fill_random(staging, seed=3)
+    for pool, src, dst in (
+        (kv, [*range(8, 16), 30], [*range(0, 8), 29]),  # two whole pages and a row
+        (staging, list(range(12, 20)), [4, 5, 6, 7, 0, 1, 2, 3]),  # pages; slots not a run
+    ):
+        rows = {name: [t.clone() for t in b.layers] for name, b in pool.row_pool.buffers.items()}
+        kvmove.copy_rows(pool, torch.tensor(src), pool, torch.tensor(dst), backend=backend)
+        for name, b in pool.row_pool.buffers.items():
+            for layer, before in enumerate(rows[name]):
+                expect = before.clone()
+                expect[torch.tensor(dst)] = before[torch.tensor(src)]
+                assert torch.equal(b.layers[layer], expect), (pool, name, layer)
