@@ -120,3 +120,18 @@ def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "needs a CUDA GPU machine" in done.stdout
     assert "needs a CUDA GPU machine" in (out / "gpu_check.log").read_text()
+
+
+@pytest.mark.store
+def test_mover_benchmark_runs_end_to_end(tmp_path):
+    from bench import bench_mover
+
+    out = tmp_path / "mover.json"
+    assert bench_mover.main(["--device", "cpu", "--layers", "2", "--page-tokens", "4",
+                             "--pages", "4", "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for name in ("evict (plain)", "prefetch (plain)", "gather", "describe", "store.put",
+                 "store.get", "scatter", "raw put", "raw get"):
+        assert result["median_GBps"][name] > 0, name
+    assert set(result["ratios"]) >= {"evict / (gather, describe, put)",
+                                     "prefetch / (describe, get, scatter)"}
