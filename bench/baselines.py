@@ -31,8 +31,8 @@ import torch
 
 from bench.cases import Case
 from bench.workload import Workload
+from kvmove.row_plan import unit_tokens
 from kvmove.row_pool import WIDE_TYPES
-from kvmove.torch_backend import unit_tokens
 
 Method = tuple[Callable[[], None], int]
 

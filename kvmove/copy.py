@@ -16,9 +16,10 @@ from kvmove.indices import (
     check_unique,
     page_rows,
 )
+from kvmove.row_plan import RowPlan, plan_rows, plan_whole_pages
 from kvmove.row_pool import BufferRows, RowPool
 from kvmove.staging import StagingBuffer
-from kvmove.torch_backend import RowPlan, copy_rows_torch, plan_rows, plan_whole_pages
+from kvmove.torch_backend import copy_rows_torch
 
 BACKENDS = ("auto", "triton", "torch", "two_hop")
 Pool = KVCache | StagingBuffer

@@ -6,13 +6,13 @@ skipped and counted, nothing is written outside a pool.
 Speed on the CPU:
 
 - the index work is done once per call, in numpy, for all buffers and layers
-  (:func:`plan_rows`): skips and out-of-range rows are dropped, and runs are found;
+  (:mod:`kvmove.row_plan`): skips and out-of-range rows are dropped, and runs are found;
 - whole pages move in units of several rows: where ``page_tokens`` rows are the aligned
   run ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed
-  as ``[units, unit_tokens * row_bytes]`` (units of up to :data:`UNIT_BYTES`) and the
+  as ``[units, unit_tokens * row_bytes]`` (units of up to 16 KiB) and the
   primitive moves units, not rows (fewer index entries, each copy larger);
 - a gather or scatter whose pages are all whole (the usual paged KV cache) is planned from
-  the pages alone (:func:`plan_whole_pages`): no row lists are built;
+  the pages alone: no row lists are built;
 - ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row;
   ``index_copy_`` copies element by element, so its units are viewed with the widest integer
   type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
@@ -21,209 +21,14 @@ Speed on the CPU:
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import torch
 
+from kvmove.row_plan import Part, RowPlan, plan_rows, unit_tokens
 from kvmove.row_pool import BufferRows
-
-# Pages move in units of at most this many bytes: torch's CPU index_select leaves its
-# memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
-UNIT_BYTES = 16 << 10
-
-
-def _as_numpy(rows: torch.Tensor) -> np.ndarray:
-    """The values of an index tensor as a flat int64 numpy array (a view where possible)."""
-    a = rows.detach().reshape(-1).cpu().numpy()
-    return a if a.dtype == np.int64 else a.astype(np.int64)
-
-
-def _run_start(rows: np.ndarray) -> int | None:
-    """``rows[0]`` if ``rows`` is ``rows[0], rows[0] + 1, ...`` (a run), else None."""
-    if rows.size == 0:
-        return None
-    first = int(rows[0])
-    if int(rows[-1]) - first != rows.size - 1:
-        return None
-    if rows.size > 2 and not bool((np.diff(rows) == 1).all()):
-        return None
-    return first
-
-
-class _Part:
-    """One set of ``src[i] -> dst[i]`` copies in a unit (a row, or several rows)."""
-
-    def __init__(self, src: np.ndarray, dst: np.ndarray):
-        self.src, self.dst = src, dst
-        self._runs: dict[str, int | None] = {}
-        self._tensors: dict[tuple[str, str], torch.Tensor] = {}
-
-    def __len__(self) -> int:
-        return self.src.size
-
-    def run(self, side: str) -> int | None:
-        """The first unit of ``side`` ("src" or "dst") where that side is one run."""
-        if side not in self._runs:
-            self._runs[side] = _run_start(self.src if side == "src" else self.dst)
-        return self._runs[side]
-
-    def tensor(self, side: str, device: torch.device) -> torch.Tensor:
-        """The int64 index tensor of ``side`` on ``device`` (cached)."""
-        key = (side, str(device))
-        if key not in self._tensors:
-            values = self.src if side == "src" else self.dst
-            t = torch.from_numpy(values)
-            self._tensors[key] = t if device.type == "cpu" else t.to(device)
-        return self._tensors[key]
-
-
-class RowPlan:
-    """What one copy moves, worked out once for every buffer and layer (numpy, on the
-    host): the rows to copy (skips and out-of-range rows dropped) and, where ``page_tokens
-    > 1``, the whole pages among them: pages that are the aligned run ``p * page_tokens ..``
-    on both sides, which can move as units larger than a row. Built by :func:`plan_rows`
-    (from row lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
-
-    def __init__(self, page_tokens: int, errors: int, pages, all_whole: bool, rows, rest):
-        self.page_tokens = page_tokens
-        self.errors = errors  # out-of-range rows, skipped
-        self._pages = pages  # (src, dst) page numbers of the whole pages, or None
-        self.all_whole = all_whole
-        self._make_rows, self._make_rest = rows, rest  # () -> _Part, on first use
-        self._rows: _Part | None = None
-        self._rest: _Part | None = None
-        self._units: dict[int, _Part] = {}
-
-    @property
-    def some_whole(self) -> bool:
-        return self._pages is not None
-
-    @property
-    def rows(self) -> _Part:
-        """Every row to copy."""
-        if self._rows is None:
-            self._rows = self._make_rows()
-        return self._rows
-
-    @property
-    def rest(self) -> _Part:
-        """The rows to copy that are not in a whole page."""
-        if self._rest is None:
-            self._rest = self._make_rest()
-        return self._rest
-
-    def units(self, unit_tokens: int) -> _Part:
-        """The whole pages in units of ``unit_tokens`` rows (a divisor of ``page_tokens``):
-        unit ``u`` is rows ``u * unit_tokens ..``."""
-        part = self._units.get(unit_tokens)
-        if part is None:
-            per_page = self.page_tokens // unit_tokens
-            if per_page == 1:
-                part = _Part(*self._pages)
-            else:
-                step = np.arange(per_page, dtype=np.int64)
-                part = _Part(*((p[:, None] * per_page + step).reshape(-1)
-                               for p in self._pages))
-            self._units[unit_tokens] = part
-        return part
-
-
-def plan_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_limit: int,
-              dst_limit: int, page_tokens: int = 1) -> RowPlan:
-    """The :class:`RowPlan` of copying ``src_rows[i] -> dst_rows[i]`` between pools of
-    ``src_limit`` and ``dst_limit`` rows; ``page_tokens > 1`` looks for whole pages."""
-    s, d = _as_numpy(src_rows), _as_numpy(dst_rows)
-    if not s.size or (int(min(s.min(), d.min())) >= 0 and int(s.max()) < src_limit
-                      and int(d.max()) < dst_limit):
-        keep, errors = None, 0  # the usual case: nothing to drop
-    else:
-        bad = (s < -1) | (s >= src_limit) | (d < -1) | (d >= dst_limit)
-        errors = int(bad.sum())
-        keep = (s >= 0) & (d >= 0) & ~bad
-
-    def rows() -> _Part:
-        return _Part(s, d) if keep is None else _Part(s[keep], d[keep])
-
-    whole = None
-    if page_tokens > 1 and s.size and s.size % page_tokens == 0:
-        whole = _whole_pages(s, page_tokens, src_limit) & _whole_pages(d, page_tokens, dst_limit)
-        if keep is not None:
-            whole &= keep.reshape(-1, page_tokens).all(axis=1)
-        if not whole.any():
-            whole = None
-    if whole is None:
-        return RowPlan(page_tokens, errors, None, False, rows, rows)
-
-    def rest() -> _Part:
-        left = np.repeat(~whole, page_tokens)
-        if keep is not None:
-            left &= keep
-        return _Part(s[left], d[left])
-
-    all_whole = bool(whole.all())
-    pages = tuple((x[::page_tokens] if all_whole else x[::page_tokens][whole]) // page_tokens
-                  for x in (s, d))
-    return RowPlan(page_tokens, errors, pages, all_whole, rows, rest)
-
-
-def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
-                     num_slots: int, *, kv_is_src: bool) -> RowPlan | None:
-    """The :class:`RowPlan` of a gather (``kv_is_src``) or scatter between KV token rows
-    ``kv_pages`` (``[n, page_tokens]``, on the CPU) and staging ``slots`` (``[n]``), when
-    every page is whole: in range, no ``-1``, and each KV page the aligned run ``p *
-    page_tokens ..``. None otherwise (:func:`plan_rows` handles every case). A few numpy
-    passes over the pages and no row lists: the usual case of a paged KV cache."""
-    n, page_tokens = kv_pages.shape
-    if n == 0 or kv_pages.device.type != "cpu" or slots.device.type != "cpu":
-        return None
-    kv, st = kv_pages.numpy(), np.asarray(slots.numpy(), dtype=np.int64)
-    first = np.asarray(kv[:, 0], dtype=np.int64)
-    if page_tokens > 1 and (bool((first % page_tokens).any())
-                            or not bool((kv == kv[:, :1] + np.arange(page_tokens)).all())):
-        return None  # some page is not an aligned run (or holds -1)
-    # Pages are runs now: their first rows bound every row.
-    if int(first.min()) < 0 or int(first.max()) + page_tokens > kv_rows \
-            or int(st.min()) < 0 or int(st.max()) >= num_slots:
-        return None
-
-    def rows() -> _Part:
-        kv_flat = first if page_tokens == 1 else np.asarray(kv.reshape(-1), dtype=np.int64)
-        st_flat = st if page_tokens == 1 else \
-            (st[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
-        return _Part(kv_flat, st_flat) if kv_is_src else _Part(st_flat, kv_flat)
-
-    if page_tokens == 1:
-        return RowPlan(1, 0, None, False, rows, rows)
-    kv_page = first // page_tokens
-    return RowPlan(page_tokens, 0, (kv_page, st) if kv_is_src else (st, kv_page), True,
-                   rows, rows)
-
-
-@functools.lru_cache(maxsize=256)
-def unit_tokens(page_tokens: int, row_bytes: int) -> int:
-    """The rows per unit the torch backend moves whole pages in: the largest divisor of
-    ``page_tokens`` whose unit fits :data:`UNIT_BYTES` (1: row by row)."""
-    fits = [u for u in range(1, page_tokens + 1)
-            if page_tokens % u == 0 and u * row_bytes <= UNIT_BYTES]
-    return max(fits, default=1)
-
-
-def _whole_pages(rows: np.ndarray, page_tokens: int, limit: int) -> np.ndarray:
-    """Per page of ``rows`` (viewed ``[n, page_tokens]``): whether it is the aligned run
-    ``p * page_tokens .. p * page_tokens + page_tokens - 1`` of a pool of ``limit`` rows."""
-    first = rows[::page_tokens]
-    ok = (first >= 0) & (first % page_tokens == 0) & (first + page_tokens <= limit)
-    if _run_start(rows) is not None:  # one run (e.g. fresh staging slots): no more to check
-        return ok
-    steps = np.empty(rows.size, dtype=bool)
-    steps[:-1] = rows[1:] - rows[:-1] == 1
-    steps[-1] = True
-    return ok & steps.reshape(-1, page_tokens)[:, :-1].all(axis=1)
 
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
-               part: _Part) -> None:
+               part: Part) -> None:
     """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
     m = len(part)
     same_device = src.device == dst.device

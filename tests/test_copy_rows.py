@@ -216,7 +216,7 @@ def test_auto_backend_is_torch_without_a_gpu():
 
 
 def test_torch_plan_moves_whole_aligned_pages_as_units():
-    from kvmove.torch_backend import plan_rows, unit_tokens
+    from kvmove.row_plan import plan_rows, unit_tokens
 
     pt = 4
     src = torch.tensor([8, 9, 10, 11,  1, 2, 3, 4,  12, 13, -1, -1,  0, 1, 2, 3,  16, 17, 18, 19])
