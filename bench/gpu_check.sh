@@ -12,7 +12,8 @@
 # its torch sees the GPU, else a virtualenv on top of the machine's python3 (which must
 # hold torch and triton), into which any wheels in .whl/ are installed (e.g. the Mooncake
 # CUDA wheel: without it, the tests that need a Mooncake store are left out and the log
-# says so). The script exits 2 without a GPU, 1 if any step failed or ran out of time.
+# says so); system packages in .deb/ (libibverbs1) are unpacked beside it.
+# bench/gpu_payload.sh fetches both folders on a machine with network. The script exits 2 without a GPU, 1 if any step failed or ran out of time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -78,6 +79,14 @@ wheels=(.whl/*.whl)
 if [ ${#wheels[@]} -gt 0 ]; then
   say "installing ${#wheels[@]} carried wheel(s) from .whl/"
   "${pip[@]}" "${wheels[@]}" 2>&1 | tee -a "$log"
+fi
+debs=(.deb/*.deb)
+if [ ${#debs[@]} -gt 0 ]; then  # system libraries Mooncake loads (bench/gpu_payload.sh)
+  sys_root=${TMPDIR:-/tmp}/kvmove-sys
+  say "unpacking ${#debs[@]} carried system package(s) from .deb/ into $sys_root"
+  mkdir -p "$sys_root"
+  for f in "${debs[@]}"; do dpkg -x "$f" "$sys_root"; done
+  export LD_LIBRARY_PATH="$sys_root/usr/lib/x86_64-linux-gnu:$sys_root/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 if ! "$py" -c 'import kvmove.kernels.configs' >/dev/null 2>&1 \
    || [ "$("$py" -c 'import kvmove, os; print(os.path.dirname(os.path.dirname(kvmove.__file__)))')" != "$repo" ]; then
