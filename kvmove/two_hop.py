@@ -60,17 +60,6 @@ def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
     return host_addr, ring_addr, np.tile(sizes, len(layers)), 0, 0, 1
 
 
-def host_spans(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
-               layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every span of :func:`span_grid`, listed layer by layer: ``(host_addresses,
-    ring_addresses, sizes)``."""
-    host_addr, ring_addr, sizes, host_pitch, ring_pitch, height = span_grid(
-        host, host_rows, ring, layers)
-    k = np.arange(height, dtype=np.int64)[:, None]
-    return ((host_addr[None, :] + k * host_pitch).reshape(-1),
-            (ring_addr[None, :] + k * ring_pitch).reshape(-1), np.tile(sizes, height))
-
-
 def _device_copy(src, dst, layers, src_rows, dst_rows, *, inner, direction, page_tokens):
     if inner == "triton":
         from kvmove.copy import _launch_triton

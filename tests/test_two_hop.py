@@ -19,7 +19,7 @@ import kvmove
 from kvmove.copy import resolve_backend
 from kvmove.copy_engine import copy_span_grid, copy_spans
 from kvmove.device_ring import ENV_RING_BYTES, ring_for
-from kvmove.two_hop import copy_rows_two_hop, host_spans, span_grid
+from kvmove.two_hop import copy_rows_two_hop, span_grid
 from tests.caches import (
     assert_same,
     buffer_specs,
@@ -129,20 +129,21 @@ def staging_and_ring(layers: int):
     return staging.row_pool.buffers["kv"], ring_for(kv.row_pool.buffers["kv"]).rows
 
 
-def test_host_spans_merge_adjacent_rows_only():
+def test_spans_merge_adjacent_rows_only():
     host, ring = staging_and_ring(2)
     rows = HOST_ROWS
-    host_addr, ring_addr, sizes = host_spans(host, rows, ring, [1])
+    host_addr, ring_addr, sizes, _, _, height = span_grid(host, rows, ring, [1])
+    assert height == 1
     base_h, base_r = host.device_addresses[1], ring.device_addresses[1]
     assert (host_addr - base_h).tolist() == [4 * 8, 9 * 8, 2 * 8]
     assert (ring_addr - base_r).tolist() == [0, 3 * 8, 5 * 8]
     assert sizes.tolist() == [3 * 8, 2 * 8, 8]
     # Rows with a pitch larger than the row are never merged.
     padded = build_cache([("kv", 1, 8, torch.uint8, 4, False)], 16).row_pool.buffers["kv"]
-    _, _, sizes = host_spans(padded, np.array([1, 2, 3]), ring, [0])
+    _, _, sizes, _, _, _ = span_grid(padded, np.array([1, 2, 3]), ring, [0])
     assert sizes.tolist() == [8, 8, 8]
-    empty = host_spans(host, np.array([], dtype=np.int64), ring, [0, 1])
-    assert all(len(x) == 0 for x in empty)
+    empty = span_grid(host, np.array([], dtype=np.int64), ring, [0, 1])
+    assert all(len(x) == 0 for x in empty[:3])
 
 
 def test_span_grid_repeats_one_layers_spans_at_the_layer_pitch():
@@ -159,11 +160,6 @@ def test_span_grid_repeats_one_layers_spans_at_the_layer_pitch():
     host_addr, _, sizes, _, _, height = span_grid(host, rows, ring, [0, 1, 3])
     assert height == 1 and len(sizes) == 9
     assert (host_addr[6:] - host.device_addresses[3]).tolist() == [4 * 8, 9 * 8, 2 * 8]
-    # host_spans lists the grid's spans layer by layer.
-    flat_host, flat_ring, flat_sizes = host_spans(host, rows, ring, [0, 1, 2, 3])
-    assert len(flat_sizes) == 12
-    assert (flat_host[3:6] - host.device_addresses[1]).tolist() == [4 * 8, 9 * 8, 2 * 8]
-    assert (flat_ring[9:] - ring.device_addresses[3]).tolist() == [0, 3 * 8, 5 * 8]
 
 
 def test_copy_span_grid_on_the_cpu_copies_every_repeat():
