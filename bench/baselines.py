@@ -32,7 +32,7 @@ import torch
 from bench.cases import Case
 from bench.workload import Workload
 from kvmove.row_plan import unit_tokens
-from kvmove.row_pool import WIDE_TYPES
+from kvmove.row_pool import shared_wide_type
 
 Method = tuple[Callable[[], None], int]
 
@@ -66,20 +66,6 @@ def primitive(w: Workload, case: Case) -> Method:
     return run, case.nbytes
 
 
-def _widest_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two ``[units, unit_bytes]`` uint8 views as the widest integer units both allow."""
-    unit_bytes = a.shape[1]
-    for dtype in WIDE_TYPES:
-        size = dtype.itemsize
-        if unit_bytes % size == 0 and all(
-            t.data_ptr() % size == 0 and t.storage_offset() % size == 0
-            and (t.shape[0] <= 1 or t.stride(0) % size == 0)
-            for t in (a, b)
-        ):
-            return a.view(dtype), b.view(dtype)
-    return a, b
-
-
 def primitive_units(w: Workload, case: Case) -> Method | None:
     """The primitive calls the torch backend makes, made plainly: per layer
     ``index_select`` / widened ``index_copy_`` on ``[units, unit bytes]`` views, the units
@@ -99,7 +85,9 @@ def primitive_units(w: Workload, case: Case) -> Method | None:
             for k, s in zip(kv, st, strict=True):
                 torch.index_select(k, 0, units, out=s)
     else:
-        pairs = [_widest_views(k, s) for k, s in zip(kv, st, strict=True)]
+        wide = shared_wide_type(w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"],
+                                unit)
+        pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
 
         def run() -> None:
             for k, s in pairs:

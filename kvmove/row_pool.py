@@ -108,6 +108,11 @@ class BufferRows:
         return views
 
 
+def shared_wide_type(a: BufferRows, b: BufferRows, unit: int) -> torch.dtype:
+    """The widest integer type that tiles units of ``unit`` rows on both sides of a copy."""
+    return min(a.widest_type(unit), b.widest_type(unit), key=lambda t: t.itemsize)
+
+
 class RowPool:
     """A mapping from buffer name to :class:`BufferRows`, in declaration order."""
 

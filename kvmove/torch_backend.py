@@ -24,18 +24,18 @@ from __future__ import annotations
 import torch
 
 from kvmove.row_plan import Part, RowPlan, plan_rows, unit_tokens
-from kvmove.row_pool import BufferRows
+from kvmove.row_pool import BufferRows, shared_wide_type
 
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
                part: Part) -> None:
     """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
     m = len(part)
-    same_device = src.device == dst.device
+    # Views of both sides in one call, where they share a device and no memory (inside one
+    # pool every row is read first: torch refuses overlapping operands).
+    direct = src.device == dst.device and src is not dst
     s_idx = part.tensor("src", src.device)
-    if src is dst:  # one pool: read every row first (torch refuses overlapping operands)
-        same_device = False
-    d0 = part.run("dst") if same_device else None
+    d0 = part.run("dst") if direct else None
     if d0 is not None:
         runs = dst.run_views(unit, d0, m)
         if runs[0].is_contiguous():  # into a run: a memcpy per unit
@@ -44,10 +44,10 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
                 torch.index_select(views[i], 0, s_idx, out=runs[i])
             return
     # Element-wise: in the widest integer type both sides allow.
-    wide = min(src.widest_type(unit), dst.widest_type(unit), key=lambda t: t.itemsize)
+    wide = shared_wide_type(src, dst, unit)
     d_idx = part.tensor("dst", dst.device)
     dst_views = dst.unit_views(unit, wide)
-    s0 = part.run("src") if same_device else None
+    s0 = part.run("src") if direct else None
     if s0 is not None:  # from a run
         taken = src.run_views(unit, s0, m, wide)
         for i in layers:
