@@ -98,12 +98,16 @@ def _ratios(records, direction, method, baseline, **where) -> list[float]:
             if (v := ratio(r, method, baseline)) is not None]
 
 
+def _as_called(record: dict) -> str | None:
+    """The baseline of the primitive calls torch makes in this case: on units where it moves
+    whole pages (and widened scatters), else the plain rows one."""
+    m = record["methods"]
+    return next((b for b in ("primitive_units", "primitive") if b in m), None)
+
+
 def _own_cost(records: list[dict]) -> list[float]:
-    """torch over the primitive calls it makes: on units where it moves whole pages, else
-    on rows."""
-    return [v for r in records
-            if (v := ratio(r, "torch", "primitive_units") or ratio(r, "torch", "primitive"))
-            is not None]
+    """torch over the primitive calls it makes, per case."""
+    return [v for r in records if (b := _as_called(r)) and (v := ratio(r, "torch", b))]
 
 
 def headlines(data: dict) -> list[Headline]:
@@ -120,9 +124,8 @@ def headlines(data: dict) -> list[Headline]:
         for d in ("gather", "scatter"):
             rs = [r for r in records if r["direction"] == d]
             v = _own_cost(rs)
-            extra = _median([r["methods"]["torch"]["median_s"] - m["median_s"] for r in rs
-                             if (m := r["methods"].get("primitive_units")
-                                 or r["methods"].get("primitive")) and "torch" in r["methods"]])
+            extra = _median([r["methods"]["torch"]["median_s"] - r["methods"][b]["median_s"]
+                             for r in rs if "torch" in r["methods"] and (b := _as_called(r))])
             out.append(Headline(f"torch {d} vs the primitive calls it makes, made plainly "
                                 f"(its own cost; median of {len(v)} cases, "
                                 f"{min(v, default=0):.2f}-{max(v, default=0):.2f}x; it adds "
