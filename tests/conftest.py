@@ -30,5 +30,11 @@ def keyspace():
 @pytest.fixture
 def triton_interpreter(monkeypatch):
     """Kernels run on the CPU through the Triton interpreter: set per test, never globally
-    (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``)."""
+    (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``). Skips the test where
+    this machine's Triton interpreter cannot run kernels (see ``interpreter_check``)."""
+    from tests.interpreter_check import interpreter_problem
+
+    problem = interpreter_problem()
+    if problem is not None:
+        pytest.skip(problem)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
