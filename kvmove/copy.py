@@ -67,9 +67,9 @@ def _check_geometry(src: RowPool, dst: RowPool) -> None:
 def select_layers(pool: RowPool, layers) -> dict[str, list[int]]:
     """For each buffer, the layers to copy: all (``None``), the one layer ``l`` of every buffer
     that has it (an int), or a subset (a sequence of ints)."""
-    max_layers = max(b.num_layers for b in pool.buffers.values())
     if layers is None:
-        return {n: list(range(b.num_layers)) for n, b in pool.buffers.items()}
+        return pool.all_layers
+    max_layers = max(b.num_layers for b in pool.buffers.values())
     if isinstance(layers, bool):
         raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
     wanted = [layers] if isinstance(layers, int) else layers
@@ -129,21 +129,21 @@ def _error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 def _whole_page_plan(kv: KVCache, staging: StagingBuffer, token_pages: torch.Tensor,
-                     slots: torch.Tensor, backend: str, *, gathering: bool) -> RowPlan | None:
+                     slots: torch.Tensor, backend: str, device: torch.device, *,
+                     gathering: bool) -> RowPlan | None:
     """The torch backend's plan of a gather or scatter on the CPU where every page is whole
     (see :func:`plan_whole_pages`): no row lists, no per-row checks. None otherwise."""
-    device = kernel_device(kv.row_pool, staging.row_pool)
     if device.type != "cpu" or resolve_backend(backend, device) != "torch":
         return None
     return plan_whole_pages(token_pages, slots, kv.num_slots, staging.num_slots,
                             kv_is_src=gathering)
 
 
-def _copy_planned(src: Pool, dst: Pool, plan: RowPlan, *, layers,
+def _copy_planned(src: Pool, dst: Pool, plan: RowPlan, device: torch.device, *, layers,
                   errors: torch.Tensor | None) -> torch.Tensor:
     """Every buffer's copy on the torch backend, by a plan made beforehand."""
     sp, dp = src.row_pool, dst.row_pool
-    errors = _error_counter(errors, kernel_device(sp, dp))
+    errors = _error_counter(errors, device)
     chosen = select_layers(sp, layers)
     for name, src_buf in sp.buffers.items():
         if chosen[name]:
@@ -271,7 +271,7 @@ def _page_args(kv, staging, token_pages, slots):
     if slots.numel() != n:
         raise ValueError(f"token_pages has {n} pages but slots has {slots.numel()} entries")
     _check_geometry(kv.row_pool, staging.row_pool)
-    return token_pages, slots
+    return token_pages, slots, device
 
 
 def gather(
@@ -290,12 +290,12 @@ def gather(
     staging row is left as it was). ``slots``: ``[n]`` staging slots (``-1`` skips a page).
     Returns the int32 ``[1]`` error counter (see :func:`copy_rows`).
     """
-    token_pages, slots = _page_args(kv, staging, token_pages, slots)
-    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, gathering=True)
+    token_pages, slots, device = _page_args(kv, staging, token_pages, slots)
+    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, device, gathering=True)
     if plan is not None:  # every row in range: only the slots' uniqueness is left to check
         if check:
-            check_unique(slots, "slots")
-        return _copy_planned(kv, staging, plan, layers=None, errors=errors)
+            check_unique(plan.pages[1], "slots")
+        return _copy_planned(kv, staging, plan, device, layers=None, errors=errors)
     if check:
         check_range(slots, staging.num_slots, "slots")
         check_unique(slots, "slots")
@@ -324,12 +324,12 @@ def scatter(
     ``slots``: ``[n]`` staging slots; ``token_pages``: int32/int64 ``[n, page_tokens]`` KV
     token slots, ``-1`` = padding (that KV row is left untouched). Returns the error counter.
     """
-    token_pages, slots = _page_args(kv, staging, token_pages, slots)
-    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, gathering=False)
-    if plan is not None:  # whole pages: unique KV rows iff unique first rows
+    token_pages, slots, device = _page_args(kv, staging, token_pages, slots)
+    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, device, gathering=False)
+    if plan is not None:  # whole pages: unique KV rows iff unique KV pages
         if check:
-            check_unique(token_pages[:, 0], "token_pages")
-        return _copy_planned(staging, kv, plan, layers=layers, errors=errors)
+            check_unique(plan.pages[1], "token_pages", page_tokens=staging.page_tokens)
+        return _copy_planned(staging, kv, plan, device, layers=layers, errors=errors)
     if check:
         check_range(slots, staging.num_slots, "slots")
         check_range(token_pages, kv.num_slots, "token_pages")

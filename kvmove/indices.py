@@ -44,9 +44,11 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
     return value
 
 
-def _values(rows: torch.Tensor):
+def _values(rows: torch.Tensor | np.ndarray):
     """The flat values of an index tensor: a numpy view on the CPU (small arrays cost a
     fraction of what torch ops do per call), the tensor itself on a device."""
+    if isinstance(rows, np.ndarray):
+        return rows.reshape(-1)
     flat = rows.reshape(-1)
     return flat.numpy() if flat.device.type == "cpu" else flat
 
@@ -68,8 +70,10 @@ def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
     )
 
 
-def check_unique(rows: torch.Tensor, name: str) -> None:
-    """No destination row named twice (``-1`` excepted): the result would depend on order."""
+def check_unique(rows: torch.Tensor | np.ndarray, name: str, *, page_tokens: int = 1) -> None:
+    """No destination row named twice (``-1`` excepted): the result would depend on order.
+    ``rows`` may be page numbers of whole pages of ``page_tokens`` rows (the message names
+    the page's first row)."""
     a = _values(rows)
     if a.shape[0] < 2:
         return
@@ -83,7 +87,8 @@ def check_unique(rows: torch.Tensor, name: str) -> None:
         uniq, counts = torch.unique(a[a >= 0], return_counts=True)
         dup = int(uniq[counts > 1][0]) if bool((counts > 1).any()) else None
     if dup is not None:
-        raise ValueError(f"{name} names row/slot {dup} more than once; destinations must be unique")
+        raise ValueError(f"{name} names row/slot {dup * page_tokens} more than once; "
+                         "destinations must be unique")
 
 
 def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:

@@ -42,9 +42,10 @@ def _run_start(rows: np.ndarray) -> int | None:
 class Part:
     """One set of ``src[i] -> dst[i]`` copies in a unit (a row, or several rows)."""
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray):
+    def __init__(self, src: np.ndarray, dst: np.ndarray,
+                 runs: dict[str, int | None] | None = None):
         self.src, self.dst = src, dst
-        self._runs: dict[str, int | None] = {}
+        self._runs: dict[str, int | None] = dict(runs or {})  # side -> first unit of its run
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -88,6 +89,11 @@ class RowPlan:
         return self._pages is not None
 
     @property
+    def pages(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(src, dst)`` page numbers of the whole pages (int64), or None."""
+        return self._pages
+
+    @property
     def rows(self) -> Part:
         """Every row to copy."""
         if self._rows is None:
@@ -107,12 +113,16 @@ class RowPlan:
         part = self._units.get(unit_tokens)
         if part is None:
             per_page = self.page_tokens // unit_tokens
+            pages = self._units.get(self.page_tokens)
+            if pages is None:
+                pages = self._units[self.page_tokens] = Part(*self._pages)
             if per_page == 1:
-                part = Part(*self._pages)
-            else:
-                step = np.arange(per_page, dtype=np.int64)
-                part = Part(*((p[:, None] * per_page + step).reshape(-1)
-                               for p in self._pages))
+                part = pages
+            else:  # a side is a run of units where its pages are a run
+                runs = {side: None if (r := pages.run(side)) is None else r * per_page
+                        for side in ("src", "dst")}
+                part = Part(*((p[:, None] * per_page + _steps(per_page)).reshape(-1)
+                              for p in self._pages), runs=runs)
             self._units[unit_tokens] = part
         return part
 
@@ -165,27 +175,33 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     n, page_tokens = kv_pages.shape
     if n == 0 or kv_pages.device.type != "cpu" or slots.device.type != "cpu":
         return None
-    kv, st = kv_pages.numpy(), np.asarray(slots.numpy(), dtype=np.int64)
-    first = np.asarray(kv[:, 0], dtype=np.int64)
-    if page_tokens > 1 and (bool((first % page_tokens).any())
-                            or not bool((kv == kv[:, :1] + np.arange(page_tokens)).all())):
+    kv = kv_pages.numpy()
+    pages = (kv[:, 0] // page_tokens).astype(np.int64, copy=False)  # a new array
+    if page_tokens > 1 and not bool((kv == (pages * page_tokens)[:, None]
+                                     + _steps(page_tokens)).all()):
         return None  # some page is not an aligned run (or holds -1)
-    # Pages are runs now: their first rows bound every row.
-    if int(first.min()) < 0 or int(first.max()) + page_tokens > kv_rows \
-            or int(st.min()) < 0 or int(st.max()) >= num_slots:
+    st = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
+    # Pages are aligned runs now: their numbers bound every row. A negative number is a
+    # huge one unsigned, so one max per side checks both ends of the range.
+    if int(pages.view(np.uint64).max()) > (kv_rows - page_tokens) // page_tokens \
+            or int(st.view(np.uint64).max()) >= num_slots:
         return None
 
     def rows() -> Part:
-        kv_flat = first if page_tokens == 1 else np.asarray(kv.reshape(-1), dtype=np.int64)
-        st_flat = st if page_tokens == 1 else \
-            (st[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
+        kv_flat = pages if page_tokens == 1 else np.asarray(kv.reshape(-1), dtype=np.int64)
+        st_flat = st if page_tokens == 1 else (st[:, None] * page_tokens
+                                               + _steps(page_tokens)).reshape(-1)
         return Part(kv_flat, st_flat) if kv_is_src else Part(st_flat, kv_flat)
 
-    if page_tokens == 1:
-        return RowPlan(1, 0, None, False, rows, rows)
-    kv_page = first // page_tokens
-    return RowPlan(page_tokens, 0, (kv_page, st) if kv_is_src else (st, kv_page), True,
-                   rows, rows)
+    return RowPlan(page_tokens, 0, (pages, st) if kv_is_src else (st, pages), True, rows, rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(count: int) -> np.ndarray:
+    """``0 .. count - 1`` (int64, read-only: shared by every call)."""
+    steps = np.arange(count, dtype=np.int64)
+    steps.flags.writeable = False
+    return steps
 
 
 @functools.lru_cache(maxsize=256)

@@ -121,6 +121,7 @@ class RowPool:
         self.kind = kind  # "KVCache" or "StagingBuffer", for messages
         # What two pools must share to copy rows: buffer -> (layers, row bytes).
         self.shape = {b.name: (b.num_layers, b.row_bytes) for b in buffers}
+        self.all_layers = {b.name: tuple(range(b.num_layers)) for b in buffers}
         gpus = [b.device for b in buffers if b.device.type != "cpu"]
         self.device = gpus[0] if gpus else torch.device("cpu")  # where its memory lives
 
