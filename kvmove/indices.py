@@ -114,12 +114,15 @@ def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
         if a.size and a.min() < 0:
             rows[a == -1] = -1
         return torch.from_numpy(rows.reshape(-1))
-    slots = slots.to(torch.int64)
+    return page_rows_on_device(slots, page_tokens)
+
+
+def page_rows_on_device(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """:func:`page_rows` in torch ops on the slots' device, without waiting for it."""
+    slots = slots.to(torch.int64)[:, None]
     t = torch.arange(page_tokens, dtype=torch.int64, device=slots.device)
-    rows = slots[:, None] * page_tokens + t[None, :]
-    if slots.numel() and int(slots.min()) < 0:
-        rows[slots == -1] = -1
-    return rows.reshape(-1)
+    # torch.where, not a test of slots.min(): reading a device value would wait for the device.
+    return torch.where(slots < 0, -1, slots * page_tokens + t).reshape(-1)
 
 
 def as_int_array(value, name: str) -> np.ndarray:

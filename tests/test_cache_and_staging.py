@@ -7,8 +7,11 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvmove
+from kvmove.indices import page_rows, page_rows_on_device
 from tests.caches import make_layers
 
 
@@ -190,3 +193,15 @@ def test_run_views_keep_only_the_latest_runs_under_threads():
     assert len(rows._runs) <= RUN_VIEWS_KEPT
     rows.run_views(1, 7, 2)
     assert next(reversed(rows._runs)) == (1, 7, 2, torch.uint8)  # the latest is kept last
+
+
+@settings(max_examples=40, deadline=None)
+@given(slots=st.lists(st.integers(-1, 500), max_size=20), page_tokens=st.integers(1, 70),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_page_rows_in_numpy_and_on_a_device_agree(slots, page_tokens, dtype):
+    """Staging row numbers of pages: slot s -> rows s * page_tokens + t, -1 -> -1 (the
+    device version runs here on the CPU)."""
+    t = torch.tensor(slots, dtype=dtype)
+    expected = [-1 if s == -1 else s * page_tokens + i for s in slots for i in range(page_tokens)]
+    assert page_rows(t, page_tokens).tolist() == expected
+    assert page_rows_on_device(t, page_tokens).tolist() == expected
