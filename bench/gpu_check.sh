@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU check, offline, in under 8 minutes: on a CUDA machine, set up (or reuse) a Python
 # environment, run the tests with the real Triton compiler (tests/test_gpu.py included),
-# tune the kernel for this GPU, and run the kernel benchmarks. Each step has its own time
+# tune the kernel for this GPU, and run the kernel benchmarks and the per-call cost
+# (bench/bench_calls.py: kvmove's host cost per launch). Each step has its own time
 # limit (GPU tests 100 s, other tests 90 s, tuning 100 s, benchmarks 150 s).
 #
 #   bench/gpu_check.sh [OUT_DIR]        # default: $OUT if set, else bench/results
@@ -122,7 +123,7 @@ step "tuning" 100 "$py" -m kvmove.tuning --quick --time-limit 70 --row-bytes 656
   --page-tokens 64 1 16 --out "$out/tuned-$gpu.json"
 
 # -- kernel benchmarks ----------------------------------------------------------------------------
-step "benchmarks" 150 "$py" -m bench.run_all --quick --only kernels --out "$out"
+step "benchmarks" 150 "$py" -m bench.run_all --quick --only kernels calls --out "$out"
 found=("$out/$gpu"-*-quick.json)  # dated names: the last one is the newest
 if [ ${#found[@]} -gt 0 ]; then  # (also after a cut-short run: its cases are saved as they come)
   "$py" -m bench.plot "${found[-1]}" >>"$log" 2>&1 || say "no plot (see the log)"

@@ -114,6 +114,15 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += _gbps_table(t["median_GBps"])
         out += [f"- put {t['put_ratio']:.2f}x raw, get {t['get_ratio']:.2f}x raw (best of "
                 "repeats)", ""]
+    if "calls" in suite:
+        out += [f"One call of a few pages, back to back ({suite['device']}, {suite['layers']} "
+                f"layers, {suite['row_bytes']}-byte rows), against {suite['plain']}:", "",
+                "| direction | page tokens | pages | kvmove µs | unchecked µs | plain µs |",
+                "|---|---:|---:|---:|---:|---:|"]
+        out += [f"| {c['direction']} | {c['page_tokens']} | {c['pages']} | {c['kvmove_us']:.0f} "
+                f"| {c['kvmove_unchecked_us']:.0f} | {c['plain_us']:.0f} |" for c in suite["calls"]]
+        out += ["", *(f"- {what.replace('_', ' ')}: kvmove adds {us:.0f} µs per call (median)"
+                      for what, us in suite["median_added_us"].items()), ""]
     if "median_GBps" in suite:
         what = ", ".join(f"{k} {suite[k]}" for k in ("device", "layers", "page_tokens", "pages")
                          if k in suite)

@@ -6,7 +6,8 @@ bench.report``).
 The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of this
 package with ``main(argv) -> int`` that accept ``--json PATH`` (their results, included
 under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
-``bench/bench_mover.py`` (mover evict/prefetch end to end). A suite whose module is missing
+``bench/bench_mover.py`` (mover evict/prefetch end to end) and ``bench/bench_calls.py`` (the
+fixed cost of one call, back to back). A suite whose module is missing
 is skipped with a message.
 """
 
@@ -38,6 +39,7 @@ SUITES = {
               ["--keys", "1024", "--repeat", "5", "--store-keys", "32", "--store-repeat", "3"],
               []),
     "mover": ("bench.bench_mover", ["--quick"], []),
+    "calls": ("bench.bench_calls", ["--quick"], []),
 }
 
 

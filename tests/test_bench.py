@@ -137,3 +137,21 @@ def test_mover_benchmark_runs_end_to_end(tmp_path):
         assert result["median_GBps"][name] > 0, name
     assert set(result["ratios"]) >= {"evict / (gather, describe, put)",
                                      "prefetch / (describe, get, scatter)"}
+
+
+def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
+    from bench import bench_calls
+
+    out = tmp_path / "calls.json"
+    assert bench_calls.main(["--device", "cpu", "--layers", "2", "--page-tokens", "1", "4",
+                             "--pages", "1", "3", "--repeat", "1", "--batch-ms", "1",
+                             "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["calls"]) == 2 * 2 * 2  # page sizes x page counts x directions
+    for c in result["calls"]:
+        assert c["kvmove_us"] > 0 and c["plain_us"] > 0
+        assert abs(c["added_us"] - (c["kvmove_us"] - c["plain_us"])) < 1e-6
+    assert set(result["median_added_us"]) == {"gather", "gather_unchecked", "scatter",
+                                              "scatter_unchecked"}
+    md = "\n".join(report.suite_section("calls", result))
+    assert "| gather | 4 | 3 |" in md and "kvmove adds" in md

@@ -1,0 +1,195 @@
+"""The fixed cost of one call: ``kvmove.gather`` / ``kvmove.scatter`` of a few pages, called
+back to back (warm, as in an engine's step loop), against the copy it makes, made plainly on
+the same data with everything prepared beforehand: on a CPU the torch primitive calls the
+torch backend makes (:func:`bench.baselines.primitive_units`, or the plain row primitive
+where pages are single tokens); on a GPU one launch of the same Triton kernel through its
+launcher. The difference is what kvmove's checks, planning and dispatch cost per call.
+
+    python -m bench.bench_calls                  # table
+    python -m bench.bench_calls --json out.json  # and the figures as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import kvmove
+from bench import baselines
+from bench.cases import Case
+from bench.workload import Workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m bench.bench_calls", description=__doc__)
+    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
+    p.add_argument("--layers", type=int, default=61 if on_gpu else 8)
+    p.add_argument("--row-bytes", type=int, default=656)
+    p.add_argument("--page-tokens", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--pages", type=int, nargs="+", default=[1, 16, 128])
+    p.add_argument("--repeat", type=int, default=9, help="timed batches per method")
+    p.add_argument("--batch-ms", type=float, default=20.0, help="length of one timed batch")
+    p.add_argument("--quick", action="store_true", help="fewer repeats, shorter batches")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_call(fns: dict[str, Callable[[], object]], device: torch.device, *, repeat: int,
+             batch_s: float) -> dict[str, float]:
+    """Median seconds per call of each function, timed in batches of back-to-back calls
+    (the batch sized to about ``batch_s``), the functions interleaved batch by batch."""
+    sizes = {}
+    for name, fn in fns.items():
+        fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        sizes[name] = max(1, min(10_000, int(batch_s / max(time.perf_counter() - t0, 1e-7))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            k = sizes[name]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) / k)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _gpu_case(case: Case, device: torch.device):
+    """``(kvmove calls, plain copy, close)`` of a case on a GPU: the tuner's workload (whole
+    KV pages in a random order into staging slots 0..n-1) and one launch of the kernel with
+    the config kvmove would pick, every argument prepared."""
+    from kvmove.kernels import configs
+
+    from kvmove import tuning
+
+    w = tuning.Workload(device, case.row_bytes, case.page_tokens, layers=case.layers,
+                        target_bytes=case.nbytes)
+    config = configs.pick(case.direction, case.row_bytes, case.page_tokens,
+                          torch.cuda.get_device_name(device))
+    launch = w.launcher(case.direction)
+    calls = _kvmove_calls(w.kv, w.staging, w.token_pages, w.slots, case.direction)
+    return calls, (lambda: launch(config)), w.close
+
+
+def _cpu_case(case: Case, w: Workload):
+    """``(kvmove calls, plain copy)`` of a case on the CPU: the torch primitive calls the
+    torch backend makes (the plain row primitive where that is what it calls). Each one's
+    bytes are checked first."""
+    token_pages, slots, _ = w.indices(case.pages)
+    plain = baselines.primitive_units(w, case) or baselines.primitive(w, case)
+    calls = _kvmove_calls(w.kv, w.staging, token_pages, slots, case.direction)
+    for fn in (*calls.values(), plain[0]):  # each writes the right bytes
+        w.poison(case.direction, case.pages)
+        fn()
+        w.check(case.direction, case.pages)
+    return calls, plain[0]
+
+
+def _kvmove_calls(kv, staging, token_pages, slots, direction: str) -> dict:
+    """The public call, checked (the default) and with ``check=False``."""
+    if direction == "gather":
+        return {f"kvmove{tag}": (lambda c=check: kvmove.gather(kv, staging, token_pages, slots,
+                                                               check=c))
+                for tag, check in (("", True), (" unchecked", False))}
+    return {f"kvmove{tag}": (lambda c=check: kvmove.scatter(staging, slots, kv, token_pages,
+                                                            check=c))
+            for tag, check in (("", True), (" unchecked", False))}
+
+
+def _record(case: Case, t: dict[str, float]) -> dict:
+    us = {name: seconds * 1e6 for name, seconds in t.items()}
+    return {
+        "direction": case.direction, "row_bytes": case.row_bytes,
+        "page_tokens": case.page_tokens, "pages": case.pages, "layers": case.layers,
+        "bytes": case.nbytes, "kvmove_us": us["kvmove"],
+        "kvmove_unchecked_us": us["kvmove unchecked"], "plain_us": us["plain"],
+        "added_us": us["kvmove"] - us["plain"],
+        "added_unchecked_us": us["kvmove unchecked"] - us["plain"],
+    }
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    timing = dict(repeat=args.repeat, batch_s=args.batch_ms / 1e3)
+    cases = []
+    for page_tokens in args.page_tokens:
+        w = None if device.type == "cuda" else Workload(
+            args.row_bytes, page_tokens, max(args.pages), args.layers, device)
+        try:
+            for pages in args.pages:
+                for direction in ("gather", "scatter"):
+                    case = Case(direction, args.row_bytes, page_tokens, pages, args.layers)
+                    if w is None:
+                        calls, plain, close = _gpu_case(case, device)
+                    else:
+                        (calls, plain), close = _cpu_case(case, w), None
+                    try:
+                        cases.append(_record(case, per_call({**calls, "plain": plain},
+                                                            device, **timing)))
+                    finally:
+                        if close is not None:
+                            close()
+        finally:
+            if w is not None:
+                w.close()
+    added = {f"{d}{tag}": statistics.median(c[f"added{tag}_us"] for c in cases
+                                            if c["direction"] == d)
+             for d in ("gather", "scatter") for tag in ("", "_unchecked")}
+    return {
+        "command": " ".join(["python -m bench.bench_calls", *sys.argv[1:]]),
+        "device": str(device), "layers": args.layers, "row_bytes": args.row_bytes,
+        "plain": "one launch of the kernel, arguments prepared" if device.type == "cuda"
+        else "the torch primitive calls of the torch backend, made plainly",
+        "calls": cases, "median_added_us": added,
+    }
+
+
+def report(result: dict, console: Console) -> None:
+    table = Table(title=f"one call, back to back ({result['device']}, {result['layers']} layers,"
+                        f" {result['row_bytes']}-byte rows): kvmove vs {result['plain']}")
+    for col in ("direction", "page tokens", "pages", "kvmove µs", "unchecked µs", "plain µs",
+                "added µs", "added unchecked µs"):
+        table.add_column(col, justify="right")
+    for c in result["calls"]:
+        table.add_row(c["direction"], str(c["page_tokens"]), str(c["pages"]),
+                      *(f"{c[k]:.1f}" for k in ("kvmove_us", "kvmove_unchecked_us", "plain_us",
+                                                "added_us", "added_unchecked_us")))
+    console.print(table)
+    for what, us in result["median_added_us"].items():
+        console.print(f"{what.replace('_', ' ')}: kvmove adds {us:.1f} µs per call (median)")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.repeat, args.batch_ms = min(args.repeat, 5), min(args.batch_ms, 10.0)
+    result = run(args)
+    report(result, Console())
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
