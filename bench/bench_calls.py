@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -156,7 +157,6 @@ def run(args) -> dict:
                                             if c["direction"] == d)
              for d in ("gather", "scatter") for tag in ("", "_unchecked")}
     return {
-        "command": " ".join(["python -m bench.bench_calls", *sys.argv[1:]]),
         "device": str(device), "layers": args.layers, "row_bytes": args.row_bytes,
         "plain": "one launch of the kernel, arguments prepared" if device.type == "cuda"
         else "the torch primitive calls of the torch backend, made plainly",
@@ -183,7 +183,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.repeat, args.batch_ms = min(args.repeat, 5), min(args.batch_ms, 10.0)
-    result = run(args)
+    result = {"command": shlex.join(["python", "-m", "bench.bench_calls",
+                                     *(sys.argv[1:] if argv is None else argv)]), **run(args)}
     report(result, Console())
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -147,6 +147,7 @@ def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
                              "--pages", "1", "3", "--repeat", "1", "--batch-ms", "1",
                              "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["command"].startswith("python -m bench.bench_calls --device cpu --layers 2")
     assert len(result["calls"]) == 2 * 2 * 2  # page sizes x page counts x directions
     for c in result["calls"]:
         assert c["kvmove_us"] > 0 and c["plain_us"] > 0
