@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -158,6 +159,7 @@ def run(args) -> dict:
              for d in ("gather", "scatter") for tag in ("", "_unchecked")}
     return {
         "device": str(device), "layers": args.layers, "row_bytes": args.row_bytes,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "plain": "one launch of the kernel, arguments prepared" if device.type == "cuda"
         else "the torch primitive calls of the torch backend, made plainly",
         "calls": cases, "median_added_us": added,

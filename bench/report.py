@@ -23,6 +23,8 @@ def _machine_line(m: dict) -> str:
         parts.append(f"Triton {m['triton']}")
     if m.get("cuda"):
         parts.append(f"CUDA {m['cuda']}")
+    if m.get("omp_wait_policy"):
+        parts.append(f"OMP_WAIT_POLICY={m['omp_wait_policy']}")
     return ", ".join(parts)
 
 
@@ -122,7 +124,12 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += [f"| {c['direction']} | {c['page_tokens']} | {c['pages']} | {c['kvmove_us']:.0f} "
                 f"| {c['kvmove_unchecked_us']:.0f} | {c['plain_us']:.0f} |" for c in suite["calls"]]
         out += ["", *(f"- {what.replace('_', ' ')}: kvmove adds {us:.0f} µs per call (median)"
-                      for what, us in suite["median_added_us"].items()), ""]
+                      for what, us in suite["median_added_us"].items())]
+        if suite["device"] == "cpu" and suite.get("omp_wait_policy") == "PASSIVE":
+            out.append("- with OpenMP threads waiting passively (as in this run), every "
+                       "parallel torch call pays a wake-up; torch's default (spinning) "
+                       "workers make small copies cheaper on both sides")
+        out.append("")
     if "median_GBps" in suite:
         what = ", ".join(f"{k} {suite[k]}" for k in ("device", "layers", "page_tokens", "pages")
                          if k in suite)
