@@ -7,8 +7,8 @@
   it (scatter);
 - ``primitive_units`` (CPU): the primitive calls the torch backend makes, made plainly:
   whole pages move in units of up to 16 KiB (``index_select`` into the staging units;
-  ``index_copy_`` in 8-byte words, rows too), so the torch backend's own cost is its time
-  over this one;
+  ``index_copy_`` in 8-byte words, rows too; one ``copy_`` per layer where both sides are
+  one run of units), so the torch backend's own cost is its time over this one;
 - ``memcpy_page``: one memcpy per page-layer span (``ctypes.memmove`` on the CPU,
   ``cudaMemcpyAsync`` to or from pinned host memory on a GPU);
 - ``memcpy_row``: one memcpy per token row per layer, what a naive port does;
@@ -69,7 +69,8 @@ def primitive(w: Workload, case: Case) -> Method:
 def primitive_units(w: Workload, case: Case) -> Method | None:
     """The primitive calls the torch backend makes, made plainly: per layer
     ``index_select`` / widened ``index_copy_`` on ``[units, unit bytes]`` views, the units
-    it moves whole pages in (rows where pages are one token). None where that is the plain
+    it moves whole pages in (rows where pages are one token), or a widened ``copy_`` where
+    the KV units are one run as the staging ones are. None where that is the plain
     row ``primitive`` itself (a gather of one-token pages)."""
     unit = unit_tokens(case.page_tokens, w.row_bytes)
     if unit == 1 and case.direction == "gather":
@@ -80,13 +81,25 @@ def primitive_units(w: Workload, case: Case) -> Method | None:
     n, unit_bytes = len(units), unit * w.row_bytes
     kv = [w.kv_layer(layer).view(-1, unit_bytes) for layer in range(case.layers)]
     st = [w.staging_layer(layer).view(-1, unit_bytes)[:n] for layer in range(case.layers)]
+    wide = shared_wide_type(w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"], unit)
+    first = int(units[0])
+    if torch.equal(units, torch.arange(first, first + n)):  # run to run (staging is one)
+        pairs = [(k[first:first + n].view(wide), s.view(wide)) for k, s in zip(kv, st,
+                                                                               strict=True)]
+        if case.direction == "gather":
+            def run() -> None:
+                for k, s in pairs:
+                    s.copy_(k)
+        else:
+            def run() -> None:
+                for k, s in pairs:
+                    k.copy_(s)
+        return run, case.nbytes
     if case.direction == "gather":
         def run() -> None:
             for k, s in zip(kv, st, strict=True):
                 torch.index_select(k, 0, units, out=s)
     else:
-        wide = shared_wide_type(w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"],
-                                unit)
         pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
 
         def run() -> None:

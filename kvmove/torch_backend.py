@@ -13,6 +13,9 @@ Speed on the CPU:
   primitive moves units, not rows (fewer index entries, each copy larger);
 - a gather or scatter whose pages are all whole (the usual paged KV cache) is planned from
   the pages alone: no row lists are built;
+- where both sides are one run of units (a page into a slot, consecutive pages into
+  consecutive slots), each layer is one ``copy_``, in the widest integer type (so that a
+  small copy stays on one thread: waking OpenMP workers costs more than it moves);
 - ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row;
   ``index_copy_`` copies element by element, so its units are viewed with the widest integer
   type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
@@ -34,8 +37,15 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
     # Views of both sides in one call, where they share a device and no memory (inside one
     # pool every row is read first: torch refuses overlapping operands).
     direct = src.device == dst.device and src is not dst
-    s_idx = part.tensor("src", src.device)
     d0 = part.run("dst") if direct else None
+    s0 = part.run("src") if direct else None
+    if d0 is not None and s0 is not None:  # run to run: one copy per layer
+        wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
+        dst_runs, src_runs = dst.run_views(unit, d0, m, wide), src.run_views(unit, s0, m, wide)
+        for i in layers:
+            dst_runs[i].copy_(src_runs[i])
+        return
+    s_idx = part.tensor("src", src.device)
     if d0 is not None:
         runs = dst.run_views(unit, d0, m)
         if runs[0].is_contiguous():  # into a run: a memcpy per unit
@@ -47,7 +57,6 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
     wide = shared_wide_type(src, dst, unit)
     d_idx = part.tensor("dst", dst.device)
     dst_views = dst.unit_views(unit, wide)
-    s0 = part.run("src") if direct else None
     if s0 is not None:  # from a run
         taken = src.run_views(unit, s0, m, wide)
         for i in layers:

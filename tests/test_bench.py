@@ -99,12 +99,13 @@ def test_per_call_baselines_copy_the_right_bytes():
     w = Workload(132, 4, 8, 2, torch.device("cpu"))
     for per in ("memcpy_page", "memcpy_row", "primitive", "primitive_units"):
         for direction in ("gather", "scatter"):
-            case = Case(direction, 132, 4, 8, 2)
-            w.poison(direction, 8)
-            fn, nbytes = baselines.build(per, w, case, max_calls=10**6)
-            fn()
-            w.check(direction, 8)
-            assert nbytes == case.nbytes
+            for pages in (8, 1):  # one page: both sides are one run
+                case = Case(direction, 132, 4, pages, 2)
+                w.poison(direction, pages)
+                fn, nbytes = baselines.build(per, w, case, max_calls=10**6)
+                fn()
+                w.check(direction, pages)
+                assert nbytes == case.nbytes
     assert baselines.build("primitive_units", w, Case("gather", 132, 1, 8, 2),
                            max_calls=10) is None  # one-token pages: the plain primitive
 

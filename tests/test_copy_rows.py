@@ -254,3 +254,29 @@ def test_copy_within_one_pool_reads_before_it_writes(backend):
                 expect = before.clone()
                 expect[torch.tensor(dst)] = before[torch.tensor(src)]
                 assert torch.equal(b.layers[layer], expect), (pool, name, layer)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_tokens", [1, 4])
+def test_consecutive_pages_to_consecutive_slots_and_back(backend, page_tokens):
+    """KV pages that follow each other into slots that follow each other (the torch backend
+    copies such a run in one call per layer), padded and odd rows, and back into other
+    consecutive pages: every row lands where it belongs and nothing else changes."""
+    specs = [("kv", 3, 656, torch.uint8, 0, True), ("pad", 2, 132, torch.uint8, 3, False),
+             ("tiny", 1, 4, torch.float32, 1, False), ("bf", 2, 1152, torch.bfloat16, 0, False)]
+    kv = build_cache(specs, 12 * page_tokens, seed=4)
+    staging = kvmove.StagingBuffer(kv, num_slots=6, page_tokens=page_tokens)
+    fill_random(staging, seed=5)
+    before = snapshot(staging)
+    pages = torch.arange(2, 5)[:, None] * page_tokens + torch.arange(page_tokens)
+    slots = torch.tensor([1, 2, 3])
+    assert int(kvmove.gather(kv, staging, pages, slots, backend=backend)) == 0
+    assert_same(snapshot(staging), expected_gather(kv, before, pages, slots, page_tokens))
+    other = build_cache(specs, 12 * page_tokens, seed=6)
+    expect = snapshot(other)
+    targets = pages + 5 * page_tokens  # pages 7, 8, 9
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            expect[name][layer][targets.reshape(-1)] = kv.layer(name, layer)[pages.reshape(-1)]
+    assert int(kvmove.scatter(staging, slots, other, targets, backend=backend)) == 0
+    assert_same(snapshot(other), expect)
