@@ -11,6 +11,7 @@ the defaults.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -90,6 +91,7 @@ def default_config(row_bytes: int) -> LaunchConfig:
     return _DEFAULTS[row_class(row_bytes)]
 
 
+@functools.lru_cache(maxsize=64)
 def gpu_slug(name: str) -> str:
     """A file-name-safe form of a GPU name: 'NVIDIA H200' -> 'nvidia-h200'."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -85,20 +85,20 @@ def select_layers(pool: RowPool, layers) -> dict[str, list[int]]:
     return {n: [x for x in wanted if x < b.num_layers] for n, b in pool.buffers.items()}
 
 
-def _alignment(src: BufferRows, dst: BufferRows, layers: list[int]) -> int:
-    addresses = [src.device_addresses[i] for i in layers]
-    addresses += [dst.device_addresses[i] for i in layers]
-    return math.gcd(*addresses) if addresses else 1
+def _alignment(src: BufferRows, dst: BufferRows, layers) -> int:
+    """The greatest common divisor of both sides' base addresses of ``layers``."""
+    return math.gcd(src.base_alignment(tuple(layers)), dst.base_alignment(tuple(layers)))
 
 
 def _launch_triton(src, dst, layers, s, d, errors, direction, page_tokens, device):
     from kvmove.kernels import configs
     from kvmove.kernels.copy_rows import copy_rows as launch
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    if gpu is not None:
-        from kvmove.tuning import prepare
+    gpu = None
+    if device.type == "cuda":
+        from kvmove.tuning import device_gpu_name, prepare
 
+        gpu = device_gpu_name(device)
         prepare(gpu, device, direction, src.row_bytes, page_tokens)  # user cache, autotune
     config = configs.pick(direction, src.row_bytes, page_tokens, gpu)
     launch(

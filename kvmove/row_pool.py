@@ -8,6 +8,7 @@ pool whose rows are ``slot * page_tokens + t``.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -50,6 +51,15 @@ class BufferRows:
             ).to(device)
             self._tables[key] = table
         return table
+
+    def base_alignment(self, layers: tuple[int, ...]) -> int:
+        """The greatest common divisor of the device addresses of ``layers`` (0 for none;
+        cached)."""
+        key = ("alignment", layers)
+        value = self._tables.get(key)
+        if value is None:
+            value = self._tables[key] = math.gcd(*(self.device_addresses[i] for i in layers))
+        return value
 
     def widest_type(self, unit: int) -> torch.dtype:
         """The widest integer type whose elements tile every unit of ``unit`` rows in every

@@ -210,14 +210,21 @@ def apply(table: TunedTable, results: list[KeyResult]) -> None:
             table.paths[r.key] = r.path
 
 
+def device_gpu_name(device: torch.device) -> str:
+    """The name of the CUDA GPU ``device`` (its index, or the current one), asked of the
+    driver once per device: copies look it up on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _gpu_names.get(index)
+    if name is None:
+        name = _gpu_names.setdefault(index, torch.cuda.get_device_name(index))
+    return name
+
+
 def preferred_backend(device: torch.device, direction: str, row_bytes: int,
                       page_tokens: int) -> str:
     """``"two_hop"`` where the tuner recorded that path as faster for this shape on this GPU
     (user cache, then shipped table), else ``"triton"`` (the direct kernel)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    gpu_name = _gpu_names.get(index)
-    if gpu_name is None:
-        gpu_name = _gpu_names.setdefault(index, torch.cuda.get_device_name(index))
+    gpu_name = device_gpu_name(device)
     user_table(gpu_name)
     path = configs.pick_path(direction, row_bytes, page_tokens, gpu_name)
     return "two_hop" if path == "two_hop" else "triton"
