@@ -7,8 +7,9 @@
   it (scatter);
 - ``primitive_units`` (CPU): the primitive calls the torch backend makes, made plainly:
   whole pages move in units of up to 16 KiB (``index_select`` into the staging units;
-  ``index_copy_`` in 8-byte words, rows too; one ``copy_`` per layer where both sides are
-  one run of units), so the torch backend's own cost is its time over this one;
+  ``index_copy_`` in 16-byte words where aligned, rows too; one ``copy_`` per layer where
+  both sides are one run of units), so the torch backend's own cost is its time over this
+  one;
 - ``memcpy_page``: one memcpy per page-layer span (``ctypes.memmove`` on the CPU,
   ``cudaMemcpyAsync`` to or from pinned host memory on a GPU);
 - ``memcpy_row``: one memcpy per token row per layer, what a naive port does;

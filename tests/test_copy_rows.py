@@ -280,3 +280,20 @@ def test_consecutive_pages_to_consecutive_slots_and_back(backend, page_tokens):
             expect[name][layer][targets.reshape(-1)] = kv.layer(name, layer)[pages.reshape(-1)]
     assert int(kvmove.scatter(staging, slots, other, targets, backend=backend)) == 0
     assert_same(snapshot(other), expect)
+
+
+def test_nan_bit_patterns_survive_the_wide_copies():
+    """The torch backend copies aligned rows as complex128 / int64 elements: rows made of
+    signalling and quiet NaN bit patterns (and negative zero) come back bit for bit."""
+    patterns = torch.tensor([0x7FF0000000000001, 0x7FF8000000000000, -0x0008000000000001,
+                             -0x8000000000000000, 0x7FF4000000000000, 1], dtype=torch.int64)
+    rows = patterns.repeat(32 * 82 // len(patterns) + 1)[: 32 * 82].view(32, 82)
+    kv = kvmove.KVCache({"kv": [rows.view(torch.uint8).view(32, 656).clone()]})
+    assert kv.row_pool.buffers["kv"].widest_type(4).itemsize == 16
+    staging = kvmove.StagingBuffer(kv, num_slots=3, page_tokens=4)
+    pages = torch.tensor([[8, 9, 10, 11], [0, 1, 2, 3]])
+    kvmove.gather(kv, staging, pages, torch.tensor([2, 0]), backend="torch")
+    other = kvmove.KVCache({"kv": [torch.zeros(32, 656, dtype=torch.uint8)]})
+    kvmove.scatter(staging, torch.tensor([2, 0]), other, pages + 16, backend="torch")
+    copied, source = other.layer("kv", 0), kv.layer("kv", 0)
+    assert torch.equal(copied[24:28], source[8:12]) and torch.equal(copied[16:20], source[0:4])
