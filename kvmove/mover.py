@@ -303,11 +303,13 @@ class KVMover:
             if self._checksum is not None:
                 self._verify(slots, valid_tokens, statuses, codes)
             times.get = time.perf_counter() - t0
-            ok = torch.tensor([s is Status.OK for s in statuses], dtype=torch.bool)
-            ok = ok.to(token_pages.device)
+            ok = torch.tensor([s is Status.OK for s in statuses], dtype=torch.bool)  # host
             t0 = time.perf_counter()
-            if bool(ok.any()):
-                self._scatter(slots[ok.cpu()], token_pages[ok], transfer, layerwise)
+            if bool(ok.all()) and len(statuses):  # the usual case: no copies of the indices
+                self._scatter(slots, token_pages, transfer, layerwise)
+            elif bool(ok.any()):
+                self._scatter(slots[ok], token_pages[ok.to(token_pages.device)], transfer,
+                              layerwise)
             times.scatter = time.perf_counter() - t0
         finally:
             transfer._all_layers_done()
