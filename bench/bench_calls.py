@@ -12,7 +12,6 @@ launcher. The difference is what kvmove's checks, planning and dispatch cost per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -26,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvmove
-from bench import baselines
+from bench import baselines, results
 from bench.cases import Case
 from bench.workload import Workload
 
@@ -187,11 +186,7 @@ def main(argv=None) -> int:
         args.repeat, args.batch_ms = min(args.repeat, 5), min(args.batch_ms, 10.0)
     result = {"command": shlex.join(["python", "-m", "bench.bench_calls",
                                      *(sys.argv[1:] if argv is None else argv)]), **run(args)}
-    report(result, Console())
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return results.finish_suite(result, report, args.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ bytes, and the mover with end-to-end checksums on (its overhead).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvmove
+from bench import results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,12 +153,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.layers, args.pages, args.repeat = min(args.layers, 8), min(args.pages, 32), 3
-    result = run(args)
-    report(result, Console())
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return results.finish_suite(run(args), report, args.json)
 
 
 if __name__ == "__main__":

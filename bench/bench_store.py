@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -34,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvmove
+from bench import results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -237,8 +237,7 @@ def main(argv=None) -> int:
     report(result, console)
     if args.json:
         path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        results.save(result, path)
         console.print(f"wrote {path}")
     return 0
 

@@ -42,3 +42,14 @@ def load(path: Path) -> dict:
         raise ValueError(f"{path} is not a kvmove benchmark results file (schema "
                          f"{data.get('schema')!r}, expected {SCHEMA!r})")
     return data
+
+
+def finish_suite(result: dict, report, json_path: Path | None) -> int:
+    """The end of a suite's ``main``: print its report (``report(result, console)``), write
+    its JSON where asked (``--json``); the exit code."""
+    from rich.console import Console
+
+    report(result, Console())
+    if json_path is not None:
+        save(result, json_path)
+    return 0
