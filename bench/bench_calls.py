@@ -88,7 +88,7 @@ def _gpu_case(case: Case, device: torch.device):
     config = configs.pick(case.direction, case.row_bytes, case.page_tokens,
                           torch.cuda.get_device_name(device))
     launch = w.launcher(case.direction)
-    calls = _kvmove_calls(w.kv, w.staging, w.token_pages, w.slots, case.direction)
+    calls = _kvmove_calls(w.kv, w.staging, w.token_pages, w.slots, case.direction, "triton")
     return calls, (lambda: launch(config)), w.close
 
 
@@ -98,7 +98,7 @@ def _cpu_case(case: Case, w: Workload):
     bytes are checked first."""
     token_pages, slots, _ = w.indices(case.pages)
     plain = baselines.primitive_units(w, case) or baselines.primitive(w, case)
-    calls = _kvmove_calls(w.kv, w.staging, token_pages, slots, case.direction)
+    calls = _kvmove_calls(w.kv, w.staging, token_pages, slots, case.direction, "torch")
     for fn in (*calls.values(), plain[0]):  # each writes the right bytes
         w.poison(case.direction, case.pages)
         fn()
@@ -106,14 +106,15 @@ def _cpu_case(case: Case, w: Workload):
     return calls, plain[0]
 
 
-def _kvmove_calls(kv, staging, token_pages, slots, direction: str) -> dict:
-    """The public call, checked (the default) and with ``check=False``."""
+def _kvmove_calls(kv, staging, token_pages, slots, direction: str, backend: str) -> dict:
+    """The public call, checked (the default) and with ``check=False``, on ``backend`` (the
+    path the plain copy takes, so that only kvmove's own work differs)."""
     if direction == "gather":
         return {f"kvmove{tag}": (lambda c=check: kvmove.gather(kv, staging, token_pages, slots,
-                                                               check=c))
+                                                               backend=backend, check=c))
                 for tag, check in (("", True), (" unchecked", False))}
     return {f"kvmove{tag}": (lambda c=check: kvmove.scatter(staging, slots, kv, token_pages,
-                                                            check=c))
+                                                            backend=backend, check=c))
             for tag, check in (("", True), (" unchecked", False))}
 
 

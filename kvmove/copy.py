@@ -4,7 +4,7 @@ buffers (or a layer subset), through the Triton kernel or the torch backend."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -64,7 +64,7 @@ def _check_geometry(src: RowPool, dst: RowPool) -> None:
         )
 
 
-def select_layers(pool: RowPool, layers) -> dict[str, list[int]]:
+def select_layers(pool: RowPool, layers) -> Mapping[str, Sequence[int]]:
     """For each buffer, the layers to copy: all (``None``), the one layer ``l`` of every buffer
     that has it (an int), or a subset (a sequence of ints)."""
     if layers is None:

@@ -107,22 +107,33 @@ def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
 
 
 def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
-    """Staging row numbers ``[n * page_tokens]`` of the pages in ``slots`` (``-1`` -> ``-1``)."""
+    """Staging row numbers ``[n * page_tokens]`` of the pages in ``slots``: slot ``s`` ->
+    rows ``s * page_tokens + t``, ``-1`` -> ``-1`` (skip). Any other slot whose rows would
+    be negative or past int64 gives rows of ``-2``, which every backend counts as out of
+    range (an overflowing product must not wrap around onto a real row)."""
     if slots.device.type == "cpu":  # numpy: a few microseconds instead of tens
         a = slots.numpy().astype(np.int64)
         rows = a[:, None] * page_tokens + np.arange(page_tokens, dtype=np.int64)[None, :]
-        if a.size and a.min() < 0:
+        if a.size and (a.min() < 0 or a.max() > _largest_slot(page_tokens)):
             rows[a == -1] = -1
+            rows[(a < -1) | (a > _largest_slot(page_tokens))] = -2
         return torch.from_numpy(rows.reshape(-1))
     return page_rows_on_device(slots, page_tokens)
 
 
+def _largest_slot(page_tokens: int) -> int:
+    """The largest slot whose rows ``slot * page_tokens + t`` fit int64."""
+    return (np.iinfo(np.int64).max - page_tokens + 1) // page_tokens
+
+
 def page_rows_on_device(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
-    """:func:`page_rows` in torch ops on the slots' device, without waiting for it."""
+    """:func:`page_rows` in torch ops on the slots' device, without waiting for it (no
+    test of a device value on the host)."""
     slots = slots.to(torch.int64)[:, None]
     t = torch.arange(page_tokens, dtype=torch.int64, device=slots.device)
-    # torch.where, not a test of slots.min(): reading a device value would wait for the device.
-    return torch.where(slots < 0, -1, slots * page_tokens + t).reshape(-1)
+    bad = (slots < -1) | (slots > _largest_slot(page_tokens))
+    rows = torch.where(bad, -2, slots * page_tokens + t)
+    return torch.where(slots == -1, -1, rows).reshape(-1)
 
 
 def as_int_array(value, name: str) -> np.ndarray:

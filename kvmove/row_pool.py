@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -56,12 +57,13 @@ class BufferRows:
         return table
 
     def base_alignment(self, layers: tuple[int, ...]) -> int:
-        """The greatest common divisor of the device addresses of ``layers`` (0 for none;
+        """The greatest common divisor of the device addresses of ``layers`` (1 for none;
         cached)."""
         key = ("alignment", layers)
         value = self._tables.get(key)
         if value is None:
-            value = self._tables[key] = math.gcd(*(self.device_addresses[i] for i in layers))
+            value = math.gcd(*(self.device_addresses[i] for i in layers)) or 1
+            self._tables[key] = value
         return value
 
     def widest_type(self, unit: int) -> torch.dtype:
@@ -114,7 +116,11 @@ class BufferRows:
         with self._runs_lock:
             views = self._runs.pop(key, None)
             if views is None:
-                views = tuple(t[start : start + count] for t in self.unit_views(unit, dtype))
+                units = self.unit_views(unit, dtype)
+                if start < 0 or count < 0 or (units and start + count > units[0].shape[0]):
+                    raise IndexError(f"buffer {self.name!r}: units {start}..{start + count - 1}"
+                                     f" of {unit} rows are outside its {units[0].shape[0]}")
+                views = tuple(t[start : start + count] for t in units)
             self._runs[key] = views  # now the most recent
             while len(self._runs) > RUN_VIEWS_KEPT:
                 del self._runs[next(iter(self._runs))]  # the least recent
@@ -134,7 +140,8 @@ class RowPool:
         self.kind = kind  # "KVCache" or "StagingBuffer", for messages
         # What two pools must share to copy rows: buffer -> (layers, row bytes).
         self.shape = {b.name: (b.num_layers, b.row_bytes) for b in buffers}
-        self.all_layers = {b.name: tuple(range(b.num_layers)) for b in buffers}
+        # buffer -> all its layers (read-only: shared by every call that copies them all)
+        self.all_layers = MappingProxyType({b.name: tuple(range(b.num_layers)) for b in buffers})
         gpus = [b.device for b in buffers if b.device.type != "cpu"]
         self.device = gpus[0] if gpus else torch.device("cpu")  # where its memory lives
 

@@ -28,13 +28,17 @@ def keyspace():
 
 
 @pytest.fixture
-def triton_interpreter(monkeypatch):
+def triton_interpreter(request, monkeypatch):
     """Kernels run on the CPU through the Triton interpreter: set per test, never globally
-    (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``). Skips the test where
-    this machine's Triton interpreter cannot run kernels (see ``interpreter_check``)."""
+    (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``). Where this machine's
+    Triton interpreter cannot run kernels (see ``interpreter_check``), the tests that run one
+    are skipped with the reason: those marked ``interpreter`` and those whose ``backend``
+    parameter is ``"triton"``. Torch-backend tests still run."""
     from tests.interpreter_check import interpreter_problem
 
-    problem = interpreter_problem()
-    if problem is not None:
+    callspec = getattr(request.node, "callspec", None)
+    runs_kernel = request.node.get_closest_marker("interpreter") is not None or (
+        callspec is not None and callspec.params.get("backend") == "triton")
+    if runs_kernel and (problem := interpreter_problem()) is not None:
         pytest.skip(problem)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

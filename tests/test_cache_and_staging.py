@@ -205,3 +205,44 @@ def test_page_rows_in_numpy_and_on_a_device_agree(slots, page_tokens, dtype):
     expected = [-1 if s == -1 else s * page_tokens + i for s in slots for i in range(page_tokens)]
     assert page_rows(t, page_tokens).tolist() == expected
     assert page_rows_on_device(t, page_tokens).tolist() == expected
+
+
+@pytest.mark.parametrize("page_tokens", [1, 3, 64])
+def test_page_rows_never_wrap_around_onto_real_rows(page_tokens):
+    """Slots whose rows would overflow int64 (or be negative) give rows of -2: out of range,
+    never a row that exists."""
+    limit = (2**63 - 1 - page_tokens + 1) // page_tokens  # the largest slot that fits
+    values = [2**62, 2**63 - 1, limit, min(limit + 1, 2**63 - 1), -2, -(2**62), -(2**63), -1, 5]
+
+    def rows_of(s):
+        if s == -1:
+            return [-1] * page_tokens
+        if s < -1 or s > limit:
+            return [-2] * page_tokens
+        return [s * page_tokens + t for t in range(page_tokens)]
+
+    slots = torch.tensor(values)
+    expected = [r for s in values for r in rows_of(s)]
+    assert page_rows(slots, page_tokens).tolist() == expected
+    assert page_rows_on_device(slots, page_tokens).tolist() == expected
+
+
+def test_unchecked_gather_counts_a_slot_past_int64_and_writes_nothing():
+    kv = kvmove.KVCache({"kv": [torch.arange(512, dtype=torch.int64).view(32, 16)]})
+    staging = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=16)
+    staging.tensor("kv").zero_()
+    errors = kvmove.gather(kv, staging, torch.arange(16, 32)[None], torch.tensor([2**62]),
+                           backend="torch", check=False)
+    assert int(errors) == 16
+    assert not staging.tensor("kv").any()
+
+
+def test_run_views_refuse_runs_past_the_pool():
+    """A run of units must lie inside the pool: a slice would silently come back shorter
+    (and a copy into it broadcast), so a run past the end raises."""
+    kv = kvmove.KVCache({"kv": [torch.zeros(10, 8, dtype=torch.uint8)]})
+    rows = kv.row_pool.buffers["kv"]
+    assert rows.run_views(2, 3, 2)[0].shape == (2, 16)  # units 3 and 4: rows 6..9
+    for start, count in ((4, 2), (-1, 1), (0, 6)):
+        with pytest.raises(IndexError, match="outside"):
+            rows.run_views(2, start, count)

@@ -64,6 +64,7 @@ def expected_gather(kv, before, token_pages, slots, page_tokens):
     return out
 
 
+@pytest.mark.interpreter
 @SETTINGS
 @given(data=st.data(), specs=buffer_specs(),
        page_tokens=st.sampled_from([1, 2, 3, 5, 16, 64]), kv_slots=st.integers(4, 140))
@@ -83,6 +84,7 @@ def test_gather_backends_agree_with_reference(data, specs, page_tokens, kv_slots
     assert_same(results[0], expected_gather(kv, before, token_pages, slots, page_tokens))
 
 
+@pytest.mark.interpreter
 @SETTINGS
 @given(data=st.data(), specs=buffer_specs(),
        page_tokens=st.sampled_from([1, 2, 4, 16, 64]), kv_slots=st.integers(4, 140))
@@ -129,6 +131,7 @@ def test_gather_then_scatter_into_other_slots_reproduces_rows(data, specs, page_
     assert_same(results[0], results[1])
 
 
+@pytest.mark.interpreter
 @SETTINGS
 @given(data=st.data(), specs=buffer_specs(max_buffers=2, max_layers=3),
        kv_slots=st.integers(2, 30))

@@ -97,6 +97,7 @@ def test_scatter_matches_torch_backend(data, specs, page_tokens, kv_slots, ring)
     assert_same(results[0], results[1])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("direction", ["gather", "scatter"])
 def test_triton_interpreter_as_the_device_copy(direction, monkeypatch):
     """The two-hop path with the Triton kernel as its device-side copy, as on CUDA."""
