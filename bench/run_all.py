@@ -4,8 +4,8 @@ tables, and the README's performance section comes from the JSON (``python -m
 bench.report``).
 
 The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of this
-package with ``main(argv) -> int`` that accept ``--json PATH`` (their results, included
-under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
+package, run as ``python -m <module> ... --json PATH`` in a process of their own (their
+results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
 ``bench/bench_mover.py`` (mover evict/prefetch end to end) and ``bench/bench_calls.py`` (the
 fixed cost of one call, back to back). A suite whose module is missing
 is skipped with a message.
@@ -14,10 +14,11 @@ is skipped with a message.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import logging
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,18 +89,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run_suite(name: str, quick: bool, console: Console) -> dict:
-    """Run an optional suite through its ``main(argv)``; its JSON, or why it was skipped."""
+    """Run an optional suite (``python -m <module> ... --json PATH``) in a process of its
+    own, so that what one suite leaves behind (Mooncake's threads, allocator state) cannot
+    bend another's figures; its JSON, or why it was skipped or failed."""
     module_name, quick_argv, full_argv = SUITES[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
+    if importlib.util.find_spec(module_name) is None:
         message = f"{module_name.replace('.', '/')}.py is not there yet"
-        console.print(f"[yellow]skipped the {name} suite: {message}[/]")
-        return {"skipped": message}
-    if not callable(getattr(module, "main", None)):
-        message = f"{module_name} has no main(argv)"
         console.print(f"[yellow]skipped the {name} suite: {message}[/]")
         return {"skipped": message}
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,14 +102,9 @@ def run_suite(name: str, quick: bool, console: Console) -> dict:
         argv = [*(quick_argv if quick else full_argv), "--json", str(path)]
         console.rule(f"{name} suite: python -m {module_name} {shlex.join(argv[:-2])}")
         t0 = time.perf_counter()
-        try:
-            code = module.main(argv)
-        except SystemExit as e:  # argparse refusing our arguments, or an explicit exit
-            code = e.code
-        except Exception as e:
-            log.exception("the %s suite failed", name)
-            return {"failed": f"{type(e).__name__}: {e}"}
-        if code not in (0, None):
+        code = subprocess.run([sys.executable, "-m", module_name, *argv]).returncode
+        if code != 0:
+            log.error("the %s suite failed (exit code %s)", name, code)
             return {"failed": f"exit code {code}"}
         out = json.loads(path.read_text()) if path.exists() else {}
         out["seconds"] = round(time.perf_counter() - t0, 1)

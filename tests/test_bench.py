@@ -157,3 +157,20 @@ def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
                                               "scatter_unchecked"}
     md = "\n".join(report.suite_section("calls", result))
     assert "| gather | 4 | 3 |" in md and "kvmove adds" in md
+
+
+def test_a_suite_runs_in_a_process_of_its_own(monkeypatch):
+    """run_all runs each optional suite as ``python -m <module> --json PATH`` and keeps its
+    JSON; a suite that fails is recorded as failed, not raised."""
+    from rich.console import Console
+
+    monkeypatch.setitem(run_all.SUITES, "calls", (
+        "bench.bench_calls", ["--layers", "2", "--pages", "1", "--page-tokens", "1",
+                              "--repeat", "1", "--batch-ms", "1"], []))
+    result = run_all.run_suite("calls", True, Console())
+    assert len(result["calls"]) == 2 and result["seconds"] > 0
+    assert "--layers 2" in result["command"]
+    monkeypatch.setitem(run_all.SUITES, "calls", ("bench.bench_calls", ["--no-such-flag"], []))
+    assert run_all.run_suite("calls", True, Console()) == {"failed": "exit code 2"}
+    monkeypatch.setitem(run_all.SUITES, "calls", ("bench.bench_nothing", [], []))
+    assert "not there yet" in run_all.run_suite("calls", True, Console())["skipped"]
