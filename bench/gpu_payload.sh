@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # What bench/gpu_check.sh needs on a GPU machine that cannot download anything (the lent
 # H200: Python 3.12, torch with CUDA 13): Mooncake's CUDA wheel for that Python in .whl/,
-# with the pure-Python tools the check runs (pytest and its plugins, hypothesis, rich;
-# setuptools and wheel for the offline editable install) in case the machine's Python lacks
-# them, and libibverbs1 (which Mooncake loads) with its libnl libraries in .deb/. Run it
-# here, on a machine with network, then carry both folders (git ignores them; the device
-# tool carries 64 MiB at most):
+# and libibverbs1 (which Mooncake loads) with its libnl libraries in .deb/. The image there
+# already holds pytest (with pytest-timeout and pytest-xdist), hypothesis, rich, matplotlib,
+# setuptools and wheel (the device tool's package list, KINDS.md): carrying other versions would
+# shadow them beside the image's own pytest plugins, so they are not carried. Run it here,
+# on a machine with network, then carry both folders (git ignores them):
 #
-#   bash bench/gpu_payload.sh                  # about 55 MB
+#   bash bench/gpu_payload.sh                  # about 50 MB
 #   device run: carry [".whl", ".deb"], command "bash bench/gpu_check.sh $OUT"
 #
 # PYTHON_VERSION (default 3.12) and MOONCAKE_WHEEL (default mooncake-transfer-engine-cuda13)
@@ -21,9 +21,6 @@ mkdir -p .whl .deb
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl "$wheel"
-python3 -m pip download -q --only-binary=:all: --python-version "$python_version" \
-  --implementation cp --platform manylinux2014_x86_64 -d .whl \
-  pytest pytest-timeout pytest-xdist hypothesis rich setuptools wheel
 (cd .deb && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200)
 du -sh .whl .deb
 ls .whl .deb
