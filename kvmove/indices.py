@@ -114,9 +114,10 @@ def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
     if slots.device.type == "cpu":  # numpy: a few microseconds instead of tens
         a = slots.numpy().astype(np.int64)
         rows = a[:, None] * page_tokens + np.arange(page_tokens, dtype=np.int64)[None, :]
-        if a.size and (a.min() < 0 or a.max() > _largest_slot(page_tokens)):
+        largest = _largest_slot(page_tokens)
+        if a.size and (a.min() < 0 or a.max() > largest):
             rows[a == -1] = -1
-            rows[(a < -1) | (a > _largest_slot(page_tokens))] = -2
+            rows[(a < -1) | (a > largest)] = -2
         return torch.from_numpy(rows.reshape(-1))
     return page_rows_on_device(slots, page_tokens)
 

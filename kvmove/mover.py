@@ -305,11 +305,12 @@ class KVMover:
             times.get = time.perf_counter() - t0
             ok = torch.tensor([s is Status.OK for s in statuses], dtype=torch.bool)  # host
             t0 = time.perf_counter()
-            if bool(ok.all()) and len(statuses):  # the usual case: no copies of the indices
-                self._scatter(slots, token_pages, transfer, layerwise)
-            elif bool(ok.any()):
-                self._scatter(slots[ok], token_pages[ok.to(token_pages.device)], transfer,
-                              layerwise)
+            if bool(ok.any()):
+                if bool(ok.all()):  # the usual case: the index tensors as they are, no copies
+                    found_slots, found_pages = slots, token_pages
+                else:
+                    found_slots, found_pages = slots[ok], token_pages[ok.to(token_pages.device)]
+                self._scatter(found_slots, found_pages, transfer, layerwise)
             times.scatter = time.perf_counter() - t0
         finally:
             transfer._all_layers_done()
