@@ -32,8 +32,8 @@ import torch
 
 from bench.cases import Case
 from bench.workload import Workload
-from kvmove.row_plan import unit_tokens
-from kvmove.row_pool import shared_wide_type
+from kvmove.rows.plan import unit_tokens
+from kvmove.rows.pool import shared_wide_type
 
 Method = tuple[Callable[[], None], int]
 
@@ -135,7 +135,7 @@ def _spans(w: Workload, case: Case, per: str, max_calls: int):
 
 def _memcpy_loop(w: Workload, dst: list[int], src: list[int], size: int) -> Callable[[], None]:
     if w.device.type == "cuda":
-        from kvmove.copy_engine import cuda_copier
+        from kvmove.rows.copy_engine import cuda_copier
 
         copy = cuda_copier().memcpy_async
 

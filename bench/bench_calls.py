@@ -81,9 +81,9 @@ def _gpu_case(case: Case, device: torch.device):
     the config kvmove would pick, every argument prepared."""
     from kvmove.kernels import configs
 
-    from kvmove import tuning
+    from kvmove.tuning.workload import Workload as TuningWorkload
 
-    w = tuning.Workload(device, case.row_bytes, case.page_tokens, layers=case.layers,
+    w = TuningWorkload(device, case.row_bytes, case.page_tokens, layers=case.layers,
                         target_bytes=case.nbytes)
     config = configs.pick(case.direction, case.row_bytes, case.page_tokens,
                           torch.cuda.get_device_name(device))

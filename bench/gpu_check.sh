@@ -119,7 +119,7 @@ step "GPU tests" 100 "$py" -m pytest -q -x -p no:cacheprovider -rs "${tests[@]}"
 step "test suite" 90 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" "${suite[@]}"
 
 # -- tuning (before the benchmarks, which then use the tuned table) -----------------------------
-step "tuning" 100 "$py" -m kvmove.tuning --quick --time-limit 70 --row-bytes 656 132 1152 \
+step "tuning" 100 "$py" -m kvmove.tuning.search --quick --time-limit 70 --row-bytes 656 132 1152 \
   --page-tokens 64 1 16 --out "$out/tuned-$gpu.json"
 
 # -- kernel benchmarks ----------------------------------------------------------------------------

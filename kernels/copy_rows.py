@@ -12,13 +12,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kvmove.kernels.alignment import pow2_alignment
 from kvmove.kernels.configs import LaunchConfig
 from triton.runtime.interpreter import InterpretedFunction
 
 _WORD_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
 
 
-@triton.jit
+# Per-call scalars are not specialised on: a new batch size never compiles a new kernel.
+@triton.jit(do_not_specialize=["n", "num_row_blocks", "num_items"])
 def _copy_rows_kernel(
     src_table,  # int64 [L]: device address of each selected layer of the source
     dst_table,  # int64 [L]: the same for the destination
@@ -86,15 +88,6 @@ def _kernel_for(device: torch.device):
 _interpreted = None
 
 
-def _pow2_alignment(*values: int, cap: int = 16) -> int:
-    """The largest power of two (at most ``cap``) dividing every value."""
-    a = cap
-    for v in values:
-        while a > 1 and v % a:
-            a //= 2
-    return a
-
-
 def copy_rows(
     src_table: torch.Tensor,
     dst_table: torch.Tensor,
@@ -141,7 +134,7 @@ def copy_rows(
         raise TypeError(f"errors must be an int32 tensor of one element, got {errors.dtype}")
     if n == 0 or layers == 0:
         return
-    align = _pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
+    align = pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
     word = min(align, 4)
     vec = align // word
     block = max(triton.next_power_of_2(config.block_bytes // word), vec)

@@ -2,11 +2,11 @@
 Mooncake store. See API.md for the contract."""
 
 from kvmove.cache import KVCache
-from kvmove.copy import copy_rows, gather, scatter
-from kvmove.describe import Descriptors, describe
+from kvmove.descriptors import Descriptors, describe
 from kvmove.embedded_master import EmbeddedMaster
 from kvmove.errors import KVMoveError, StagingFull, StoreError
 from kvmove.mover import KVMover
+from kvmove.rows.moves import copy_rows, gather, scatter
 from kvmove.staging import StagingBuffer
 from kvmove.status import Status
 from kvmove.store import MooncakeStore, StoreResult

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvmove.row_pool import BufferRows, RowPool, byte_rows
+from kvmove.rows.pool import BufferRows, RowPool, byte_rows
 
 
 def _layers_of(name: str, value) -> list[torch.Tensor]:

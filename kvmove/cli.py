@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING - 10 * args.verbose,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command == "tune":
-        from kvmove.tuning import tune_main
+        from kvmove.tuning.command import tune_main
 
         return tune_main(rest)
     if rest:

@@ -12,11 +12,11 @@ import torch
 
 from kvmove.cache import KVCache
 from kvmove.checksum import TRAILER_BYTES, PageChecksum
-from kvmove.copy import gather, kernel_device, resolve_backend, scatter
-from kvmove.describe import Descriptors, check_keys, describe
+from kvmove.descriptors import Descriptors, check_keys, describe
 from kvmove.errors import KVMoveError, StagingFull
-from kvmove.indices import as_index_tensor, check_range, check_unique
 from kvmove.keys import KeySpace
+from kvmove.rows.indices import as_index_tensor, check_range, check_unique
+from kvmove.rows.moves import gather, kernel_device, resolve_backend, scatter
 from kvmove.staging import StagingBuffer
 from kvmove.status import CHECKSUM_MISMATCH, Status
 from kvmove.transfer import StageTimes, Transfer, TransferResult

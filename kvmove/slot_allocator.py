@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvmove.errors import StagingFull
-from kvmove.indices import as_int_array
+from kvmove.rows.indices import as_int_array
 
 
 class SlotAllocator:

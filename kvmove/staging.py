@@ -7,7 +7,7 @@ import torch
 
 from kvmove.cache import KVCache
 from kvmove.host_memory import HostMemory
-from kvmove.row_pool import BufferRows, RowPool
+from kvmove.rows.pool import BufferRows, RowPool
 from kvmove.slot_allocator import SlotAllocator
 
 

@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from kvmove.describe import Descriptors, check_keys
+from kvmove.descriptors import Descriptors, check_keys
 from kvmove.embedded_master import EmbeddedMaster, tcp_reachable
 from kvmove.errors import StoreError
 from kvmove.status import (

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.indices import page_rows, page_rows_on_device
+from kvmove.rows.indices import page_rows, page_rows_on_device
 from tests.caches import make_layers
 
 
@@ -174,7 +174,7 @@ def test_wide_copies_follow_the_storage_offset_not_only_the_address():
 
 
 def test_run_views_keep_only_the_latest_runs_under_threads():
-    from kvmove.row_pool import RUN_VIEWS_KEPT
+    from kvmove.rows.pool import RUN_VIEWS_KEPT
 
     kv = kvmove.KVCache({"k": torch.zeros(4, 512, 64, dtype=torch.uint8)})
     rows = kv.row_pool.buffers["k"]

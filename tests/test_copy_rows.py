@@ -212,14 +212,14 @@ def test_layer_subset_copies_only_those_layers(backend):
 
 
 def test_auto_backend_is_torch_without_a_gpu():
-    from kvmove.copy import resolve_backend
+    from kvmove.rows.moves import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
 
 
 def test_torch_plan_moves_whole_aligned_pages_as_units():
-    from kvmove.row_plan import plan_rows, unit_tokens
+    from kvmove.rows.plan import plan_rows, unit_tokens
 
     pt = 4
     src = torch.tensor([8, 9, 10, 11,  1, 2, 3, 4,  12, 13, -1, -1,  0, 1, 2, 3,  16, 17, 18, 19])

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.describe import Descriptors
+from kvmove.descriptors import Descriptors
 from tests.staging_data import GEOMETRIES, canonical, make_staging, span_bytes
 
 ROW_BYTES = (4, 132, 576, 656, 1152, 4100)

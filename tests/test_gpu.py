@@ -24,11 +24,11 @@ def compiled_kernels(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("KVMOVE_AUTOTUNE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    from kvmove import tuning
+    from kvmove.rows import launch_config
 
-    tuning.reset()
+    launch_config.reset()
     yield
-    tuning.reset()
+    launch_config.reset()
 
 
 def cuda_layers(layers, slots, row_bytes, dtype, *, pad=0, seed=0):
@@ -198,7 +198,7 @@ def test_two_hop_matches_direct(batch, side_stream, ring, monkeypatch):
 
 
 def test_copy_engine_spans_on_a_side_stream():
-    from kvmove.copy_engine import copy_spans, cuda_copier
+    from kvmove.rows.copy_engine import copy_spans, cuda_copier
 
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=CUDA)
     host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
@@ -220,7 +220,7 @@ def test_copy_engine_spans_on_a_side_stream():
 
 @pytest.mark.parametrize("batch", [True, False])
 def test_copy_engine_grid_covers_every_layer(batch):
-    from kvmove.copy_engine import copy_span_grid
+    from kvmove.rows.copy_engine import copy_span_grid
 
     layers, pitch = 5, 1 << 16
     src = torch.randint(0, 256, (layers * pitch,), dtype=torch.uint8, device=CUDA)
@@ -243,16 +243,17 @@ def test_copy_engine_grid_covers_every_layer(batch):
 
 
 def test_tune_key_finds_a_valid_config():
-    from kvmove import tuning
+    from kvmove.tuning.config_search import valid
+    from kvmove.tuning.key_tuning import tune_key
 
-    r = tuning.tune_key(CUDA, "gather", 656, 64, quick=True, target_bytes=16 << 20)
-    assert tuning.valid(r.config, 656, 16)
+    r = tune_key(CUDA, "gather", 656, 64, quick=True, target_bytes=16 << 20)
+    assert valid(r.config, 656, 16)
     assert r.config_gbps > 0 and r.config_gbps >= 0.9 * r.default_gbps
     assert r.path in ("direct", "two_hop")
 
 
 def test_autotune_on_first_use_fills_the_user_cache(monkeypatch):
-    from kvmove import tuning
+    from kvmove.rows import launch_config as tuning
 
     monkeypatch.setenv("KVMOVE_AUTOTUNE", "1")
     kv = build([("kv", 2, 132, torch.uint8, 0)], 256)
@@ -267,7 +268,8 @@ def test_autotune_on_first_use_fills_the_user_cache(monkeypatch):
 
 
 def test_auto_uses_the_two_hop_path_where_recorded(monkeypatch):
-    from kvmove import tuning, two_hop
+    from kvmove.rows import launch_config as tuning
+    from kvmove.rows import two_hop
 
     path = tuning.cache_path(torch.cuda.get_device_name())
     path.parent.mkdir(parents=True)

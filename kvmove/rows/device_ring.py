@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from kvmove.row_pool import BufferRows
+from kvmove.rows.pool import BufferRows
 
 ENV_RING_BYTES = "KVMOVE_RING_BYTES"
 DEFAULT_RING_BYTES = 256 << 20

@@ -1,11 +1,11 @@
 """The two-hop (copy-engine) path of the row copy.
 
 Instead of the kernel writing host memory row by row (the direct path), rows pass through
-a ring beside the KV buffer (:mod:`kvmove.device_ring`):
+a ring beside the KV buffer (:mod:`kvmove.rows.device_ring`):
 
 - gather (KV -> host): the row-copy kernel packs the KV rows into the ring at HBM speed,
   then the copy engine moves each run of consecutive host rows as one span per layer
-  (:func:`kvmove.copy_engine.copy_span_grid`: one batched call, or one 2-D async copy per
+  (:func:`kvmove.rows.copy_engine.copy_span_grid`: one batched call, or one 2-D async copy per
   run that covers every layer);
 - scatter (host -> KV): the copy engine moves the host spans into the ring, then the kernel
   scatters the ring rows into the KV.
@@ -23,10 +23,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmove.copy_engine import copy_span_grid
-from kvmove.device_ring import ring_for
-from kvmove.row_pool import BufferRows
-from kvmove.torch_backend import copy_rows_torch
+from kvmove.rows.copy_engine import copy_span_grid
+from kvmove.rows.device_ring import ring_for
+from kvmove.rows.pool import BufferRows
+from kvmove.rows.torch_backend import copy_rows_torch
 
 
 def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
@@ -62,7 +62,7 @@ def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
 
 def _device_copy(src, dst, layers, src_rows, dst_rows, *, inner, direction, page_tokens):
     if inner == "triton":
-        from kvmove.copy import _launch_triton
+        from kvmove.rows.moves import _launch_triton
 
         device = src.device if src.device.type != "cpu" else dst.device
         _launch_triton(src, dst, layers, src_rows.to(device), dst_rows.to(device), None,

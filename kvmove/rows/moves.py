@@ -9,17 +9,18 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvmove.cache import KVCache
-from kvmove.indices import (
+from kvmove.rows.indices import (
     as_index_tensor,
     check_disjoint,
     check_range,
     check_unique,
     page_rows,
 )
-from kvmove.row_plan import RowPlan, plan_rows, plan_whole_pages
-from kvmove.row_pool import BufferRows, RowPool
+from kvmove.rows.launch_config import launch_config, preferred_backend
+from kvmove.rows.plan import RowPlan, plan_rows, plan_whole_pages
+from kvmove.rows.pool import BufferRows, RowPool
+from kvmove.rows.torch_backend import copy_rows_torch
 from kvmove.staging import StagingBuffer
-from kvmove.torch_backend import copy_rows_torch
 
 BACKENDS = ("auto", "triton", "torch", "two_hop")
 Pool = KVCache | StagingBuffer
@@ -50,8 +51,6 @@ def resolve_backend(backend: str, device: torch.device, *, direction: str | None
             return "torch"
         if direction is None or row_bytes is None:
             return "triton"
-        from kvmove.tuning import preferred_backend
-
         return preferred_backend(device, direction, row_bytes, page_tokens)
     return backend
 
@@ -91,16 +90,9 @@ def _alignment(src: BufferRows, dst: BufferRows, layers) -> int:
 
 
 def _launch_triton(src, dst, layers, s, d, errors, direction, page_tokens, device):
-    from kvmove.kernels import configs
     from kvmove.kernels.copy_rows import copy_rows as launch
 
-    gpu = None
-    if device.type == "cuda":
-        from kvmove.tuning import device_gpu_name, prepare
-
-        gpu = device_gpu_name(device)
-        prepare(gpu, device, direction, src.row_bytes, page_tokens)  # user cache, autotune
-    config = configs.pick(direction, src.row_bytes, page_tokens, gpu)
+    config = launch_config(device, direction, src.row_bytes, page_tokens)
     launch(
         src.address_table(tuple(layers), device),
         dst.address_table(tuple(layers), device),
@@ -195,7 +187,7 @@ def _copy(
             _launch_triton(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter,
                            direction, page_tokens, device)
         elif kinds[name] == "two_hop":
-            from kvmove.two_hop import copy_rows_two_hop
+            from kvmove.rows.two_hop import copy_rows_two_hop
 
             copy_rows_two_hop(src_buf, dst_buf, chosen[name], *host_rows, counter,
                               direction=direction, page_tokens=page_tokens)

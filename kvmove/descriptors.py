@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from kvmove.indices import as_int_array
+from kvmove.rows.indices import as_int_array
 
 __all__ = ["Descriptors", "check_keys", "describe"]
 

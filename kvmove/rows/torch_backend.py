@@ -6,7 +6,7 @@ skipped and counted, nothing is written outside a pool.
 Speed on the CPU:
 
 - the index work is done once per call, in numpy, for all buffers and layers
-  (:mod:`kvmove.row_plan`): skips and out-of-range rows are dropped, and runs are found;
+  (:mod:`kvmove.rows.plan`): skips and out-of-range rows are dropped, and runs are found;
 - whole pages move in units of several rows: where ``page_tokens`` rows are the aligned
   run ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed
   as ``[units, unit_tokens * row_bytes]`` (units of up to 16 KiB) and the
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from kvmove.row_plan import Part, RowPlan, plan_rows, unit_tokens
-from kvmove.row_pool import BufferRows, shared_wide_type
+from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
+from kvmove.rows.pool import BufferRows, shared_wide_type
 
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
