@@ -202,7 +202,7 @@ def _check_slots(slots, n: int, num_slots: int) -> np.ndarray:
     return arr
 
 
-def _check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
+def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
     """One int64 ``valid_tokens`` per key."""
     if valid_tokens is None:
         return np.full(n, page_tokens, dtype=np.int64)
@@ -325,7 +325,16 @@ def describe(staging, slots, keys: Sequence[str], *, valid_tokens=None) -> Descr
     keys = check_keys(keys)
     n = len(keys)
     slot_ids = _check_slots(slots, n, staging.num_slots)
-    vt = _check_valid_tokens(valid_tokens, n, staging.page_tokens)
+    vt = check_valid_tokens(valid_tokens, n, staging.page_tokens)
+    return describe_trusted(staging, slot_ids, keys, vt)
+
+
+def describe_trusted(staging, slot_ids: np.ndarray, keys: list[str],
+                     vt: np.ndarray) -> Descriptors:
+    """:func:`describe` of arguments already validated: ``slot_ids`` and ``vt``
+    (``valid_tokens``) int64 ``[n]`` in range, ``keys`` a list of distinct non-empty str.
+    For callers that validated once at their own entry (the mover)."""
+    n = len(keys)
     regions = tuple(staging.regions()) if hasattr(staging, "regions") else ()
     if n == 0:
         return Descriptors._trusted([], [], [], np.zeros(0, dtype=np.int64), regions, staging)

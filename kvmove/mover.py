@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvmove.cache import KVCache
 from kvmove.checksum import TRAILER_BYTES, PageChecksum
-from kvmove.descriptors import Descriptors, check_keys, describe
+from kvmove.descriptors import Descriptors, check_keys, check_valid_tokens, describe_trusted
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.keys import KeySpace
 from kvmove.rows.indices import as_index_tensor, check_range, check_unique
-from kvmove.rows.moves import gather, kernel_device, resolve_backend, scatter
+from kvmove.rows.moves import copy_pages
+from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
 from kvmove.staging import StagingBuffer
-from kvmove.status import CHECKSUM_MISMATCH, Status
-from kvmove.transfer import StageTimes, Transfer, TransferResult
+from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
+from kvmove.transfer import LayerProgress, StageTimes, Transfer, TransferResult, join_results
+from kvmove.tuning.autotune import tune_for_copies
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +49,31 @@ class KVMover:
     """Evict KV pages to a Mooncake store and prefetch them back.
 
     The mover owns a layer-first :class:`StagingBuffer` of ``staging_slots`` pages,
-    registered with ``store`` once. ``evict`` gathers into staging and puts in the
-    background; ``prefetch`` gets into staging in the background and scatters the keys
-    whose status is OK. Staging slots return to the pool when a transfer ends, whatever its
-    outcome. When the staging is full, a call waits up to ``alloc_timeout`` seconds for
-    slots, then raises :class:`StagingFull`; pages are never dropped.
+    registered with ``store`` once, and the prepared copies between it and the cache (on
+    CUDA: kernels compiled, tuned configs read, rings allocated, all when it is built).
+    ``evict`` gathers into staging and puts in the background; ``prefetch`` gets into
+    staging in the background and scatters the keys whose status is OK. Staging slots return
+    to the pool when a transfer ends, whatever its outcome.
+
+    A call may name more keys than the staging has slots: it runs in staging-sized pieces
+    under back-pressure (an evict returns once its last piece is gathered) and its
+    :class:`Transfer` gives one status per key, in order. Where no slots come free within
+    ``alloc_timeout`` seconds, the first piece of an evict raises :class:`StagingFull`
+    (nothing was started); keys of a later piece, or of a prefetch, end ``FAILED`` (raw code
+    ``STAGING_TIMEOUT``) with their KV rows as they were. Pages are never dropped silently.
+
+    Indices are validated once, at the call. CPU index tensors are copied at call time (the
+    engine may reuse its buffer at once); with ``check=True`` an out-of-range row or a
+    repeated destination raises before anything is written, with ``check=False`` the key
+    with such a row ends ``FAILED`` (raw code ``BAD_ROWS``). Device index tensors are never
+    read on the host: they are copied on the caller's stream and out-of-range rows make
+    their key ``FAILED`` (``BAD_ROWS``) when the transfer is waited on; such a key is never
+    stored, and its rows are never scattered.
+
+    On CUDA every copy runs on the mover's streams (one for evictions, one at high priority
+    for prefetches), ordered after the work the caller's current stream had enqueued at
+    call time; ``Transfer.gathered`` / ``Transfer.scattered`` / ``Transfer.wait_layer`` order
+    the engine after them.
 
     Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``.
 
@@ -84,12 +108,26 @@ class KVMover:
         self._checksum = PageChecksum(self.staging) if checksum else None
         self.page_tokens = page_tokens
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
-        resolve_backend(backend, self.device)  # validates; "auto" is resolved per copy
+        resolve_backend(backend, self.device)  # validates; "auto" is resolved per buffer
         self.backend = backend
         self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum)
         self.alloc_timeout = alloc_timeout
         self.check = check
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        # KVMOVE_AUTOTUNE=1 tunes here, before the copies are prepared (they read the tuned
+        # configs), never inside a call (nothing to tune off CUDA).
+        tune_for_copies(self.device, [kv.row_bytes(n) for n in kv.buffer_names], page_tokens)
+        pools = kv.row_pool, self.staging.row_pool
+        common = {"backend": backend, "page_tokens": page_tokens}
+        self._gather = prepared_copy(*pools, direction="gather", **common)
+        self._scatter_all = prepared_copy(*pools[::-1], direction="scatter", **common)
+        self._scatter_layer = [prepared_copy(*pools[::-1], layer, direction="scatter",
+                                             **common) for layer in range(kv.max_layers)]
+        self._evict_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._prefetch_stream = (torch.cuda.Stream(self.device, priority=-100) if cuda
+                                 else None)
+        if cuda:
+            self._warm_up()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
         self._lock = threading.Lock()
         self._inflight: set[Future] = set()
@@ -97,29 +135,49 @@ class KVMover:
         self._closed = False
         store.register(self.staging)
 
+    def _warm_up(self) -> None:
+        """Compile (or load) every kernel the mover launches, and allocate the two-hop rings,
+        before serving: one launch of each prepared copy that skips its only row."""
+        skip = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        with torch.cuda.stream(self._evict_stream):
+            for prepared in (self._gather, self._scatter_all, *self._scatter_layer):
+                prepared.run(skip, skip, None)
+        self._evict_stream.synchronize()
+
     # -- public ---------------------------------------------------------------------------
     def evict(self, keys, token_pages, *, valid_tokens=None) -> Transfer:
         """Gather the pages ``token_pages`` ``[n, page_tokens]`` (``-1`` = padding) into
         staging and put them under ``keys`` in the background. ``valid_tokens`` (an int or
         one per key) stores a partial last page. Returns once the gather is enqueued (CUDA)
         or done (CPU); ``Transfer.gathered`` tells when the KV rows may be overwritten."""
-        keys, token_pages = self._check_call(keys, token_pages)
-        slots = self._alloc(len(keys))
-        gathered = None
-        try:
-            desc = self._describe(slots, keys, valid_tokens)
-            t0 = time.perf_counter()
-            gathered = self._gather(token_pages, slots)
-            gather_s = time.perf_counter() - t0
-            future = self._submit(self._put_job, desc, slots, gathered, gather_s,
-                                  valid_tokens)
-        except BaseException:
-            if gathered is not None:  # a CUDA gather may still be writing into the slots
-                gathered.synchronize()
-            self.staging.free(slots)
-            raise
-        return Transfer(keys, future, kind="evict", num_layers=self.kv.max_layers,
-                        gathered=gathered)
+        call = self._take_call(keys, token_pages, valid_tokens, gathering=True)
+        transfer = Transfer(call.keys, kind="evict", num_layers=self.kv.max_layers,
+                            device=self.device)
+        size = self.staging.num_slots
+        for first in range(0, len(call.keys), size):
+            piece = call.piece(first, min(len(call.keys), first + size))
+            try:
+                slots = self.staging.alloc(len(piece.keys), timeout=self.alloc_timeout)
+            except StagingFull:
+                if first == 0:
+                    raise
+                transfer._add(first, self._unstaged(len(call.keys) - first))
+                break
+            gathered = None
+            try:
+                t0 = time.perf_counter()
+                gathered = self._run_gather(piece, slots, call.ordered if first == 0 else None)
+                gather_s = time.perf_counter() - t0
+                future = self._submit(self._put_job, piece, slots, gathered, gather_s)
+            except BaseException:
+                if gathered is not None:  # a CUDA gather may still be writing into the slots
+                    gathered.synchronize()
+                self.staging.free(slots)
+                raise
+            transfer._add(first, future)
+            if gathered is not None:
+                transfer.gathered = gathered
+        return transfer
 
     def prefetch(self, keys, token_pages, *, layerwise: bool = False,
                  valid_tokens=None) -> Transfer:
@@ -127,25 +185,62 @@ class KVMover:
         OK into ``token_pages`` ``[n, page_tokens]`` (``-1`` = leave that KV row alone). With
         ``layerwise=True`` the scatter runs layer by layer and ``Transfer.wait_layer(l)``
         returns as soon as layer ``l`` is in place. Rows of missing or failed keys are left
-        untouched. ``valid_tokens`` must match what the pages were evicted with."""
-        keys, token_pages = self._check_call(keys, token_pages)
-        if self.check:
-            check_range(token_pages, self.kv.num_slots, "token_pages")
-            check_unique(token_pages, "token_pages")
-        slots = self._alloc(len(keys))
-        transfer_box: list[Transfer] = []
-        ready = threading.Event()
-        try:
-            desc = self._describe(slots, keys, valid_tokens)
-            future = self._submit(self._get_job, desc, slots, token_pages, layerwise,
-                                  valid_tokens, transfer_box, ready)
-        except BaseException:
-            self.staging.free(slots)
-            raise
-        transfer = Transfer(keys, future, kind="prefetch", num_layers=self.kv.max_layers)
-        transfer_box.append(transfer)
-        ready.set()
+        untouched. ``valid_tokens`` must match what the pages were evicted with. Returns as
+        soon as the work is scheduled."""
+        call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
+        transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
+                            device=self.device)
+        transfer._add(0, self._submit(self._get_job, call, layerwise, transfer._progress))
         return transfer
+
+    # -- the call -------------------------------------------------------------------------
+    def _take_call(self, keys, token_pages, valid_tokens, *, gathering: bool) -> Call:
+        """Validate a call's arguments (once) and take what the background work needs:
+        a copy of the indices made now, and on CUDA an event after the caller's work."""
+        if self._closed:
+            raise KVMoveError("the KVMover is closed")
+        keys = check_keys(keys)
+        n = len(keys)
+        pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
+        if pages.shape[0] != n:
+            raise ValueError(f"token_pages has {pages.shape[0]} pages for {n} keys")
+        if n and pages.shape[1] != self.page_tokens:
+            raise ValueError(
+                f"token_pages has {pages.shape[1]} tokens per page, the mover's "
+                f"page_tokens is {self.page_tokens}"
+            )
+        valid = check_valid_tokens(valid_tokens, n, self.page_tokens)
+        limit = self.kv.num_slots
+        if pages.is_cuda:  # copied and checked on the caller's stream: no host reads
+            pages = pages.to(torch.int64, copy=True)
+            bad = ((pages < -1) | (pages >= limit)).any(dim=1) if n else None
+        else:
+            host = pages.numpy().astype(np.int64, copy=True)  # the engine may reuse its own
+            pages = torch.from_numpy(host)
+            bad = None
+            if n and self.check:
+                check_range(pages, limit, "token_pages")
+                if not gathering:
+                    check_unique(pages, "token_pages")
+            elif n:
+                out = ((host < -1) | (host >= limit)).any(axis=1)
+                bad = out if out.any() else None
+        ordered = None
+        if self.device.type == "cuda":
+            caller = torch.cuda.current_stream(self.device)
+            ordered = torch.cuda.Event()
+            ordered.record(caller)
+            if pages.is_cuda:  # made on the caller's stream, used on the mover's
+                pages.record_stream(self._evict_stream if gathering else self._prefetch_stream)
+                if bad is not None:
+                    bad.record_stream(self._evict_stream if gathering
+                                      else self._prefetch_stream)
+        return Call(keys, pages, valid, bad, ordered)
+
+    def _unstaged(self, n: int) -> TransferResult:
+        log.warning("no staging slots came free within %s s: %d keys not moved",
+                    self.alloc_timeout, n)
+        return TransferResult([Status.FAILED] * n, [STAGING_TIMEOUT] * n, 0)
 
     def stats(self) -> MoverStats:
         with self._lock:
@@ -183,60 +278,29 @@ class KVMover:
         self.close()
 
     # -- steps ----------------------------------------------------------------------------
-    def _check_call(self, keys, token_pages):
-        if self._closed:
-            raise KVMoveError("the KVMover is closed")
-        keys = check_keys(keys)
-        token_pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
-        if token_pages.shape[0] != len(keys):
-            raise ValueError(
-                f"token_pages has {token_pages.shape[0]} pages for {len(keys)} keys"
-            )
-        if len(keys) and token_pages.shape[1] != self.page_tokens:
-            raise ValueError(
-                f"token_pages has {token_pages.shape[1]} tokens per page, the mover's "
-                f"page_tokens is {self.page_tokens}"
-            )
-        if len(keys) > self.staging.num_slots:
-            raise StagingFull(
-                f"{len(keys)} keys in one call exceed the staging's {self.staging.num_slots} "
-                f"slots: split the batch or raise staging_slots"
-            )
-        return keys, token_pages
+    def _run_gather(self, piece: Call, slots: torch.Tensor, ordered):
+        """Enqueue (CUDA) or run (CPU) the gather of a piece; on CUDA the event after it."""
+        if self._evict_stream is None:
+            copy_pages(self._gather, piece.pages, slots, None)
+            return None
+        with torch.cuda.stream(self._evict_stream):
+            if ordered is not None:
+                self._evict_stream.wait_event(ordered)
+            copy_pages(self._gather, piece.pages, slots, None)
+            piece.fetch_bad()
+            event = torch.cuda.Event()
+            event.record(self._evict_stream)
+        return event
 
-    def _alloc(self, n: int) -> torch.Tensor:
-        return self.staging.alloc(n, timeout=self.alloc_timeout)
-
-    def _describe(self, slots: torch.Tensor, keys: list[str], valid_tokens) -> Descriptors:
+    def _describe(self, slots: torch.Tensor, keys: list[str], valid: np.ndarray) -> Descriptors:
         """The objects' descriptors; with checksums, each ends with its slot's trailer."""
-        desc = describe(self.staging, slots, self.keyspace.store_keys(keys),
-                        valid_tokens=valid_tokens)
+        desc = describe_trusted(self.staging, slots.numpy(), self.keyspace.store_keys(keys),
+                                valid)
         if self._checksum is None or len(desc) == 0:
             return desc
         trailer = self.staging.trailer
         return desc.with_trailer((slots * trailer.shape[1] + trailer.data_ptr()).tolist(),
                                  trailer.shape[1])
-
-    def _valid_tokens(self, valid_tokens, n: int) -> torch.Tensor:
-        """``valid_tokens`` (already validated by ``describe``) as int64 ``[n]``."""
-        if valid_tokens is None:
-            return torch.full((n,), self.page_tokens, dtype=torch.int64)
-        return torch.as_tensor(valid_tokens, dtype=torch.int64).reshape(-1).expand(n)
-
-    def _gather(self, token_pages: torch.Tensor, slots: torch.Tensor):
-        if self._stream is None:
-            gather(self.kv, self.staging, token_pages, slots, backend=self.backend,
-                   check=self.check)
-            return None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            gather(self.kv, self.staging, token_pages, slots, backend=self.backend,
-                   check=self.check)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        if token_pages.is_cuda:
-            token_pages.record_stream(self._stream)
-        return event
 
     def _submit(self, fn, *args) -> Future:
         """Queue a background job, unless the mover was closed meanwhile (then the caller
@@ -273,85 +337,128 @@ class KVMover:
                 s.statuses[st] += 1
 
     # -- background jobs ------------------------------------------------------------------
-    def _put_job(self, desc: Descriptors, slots, gathered, gather_s, valid_tokens):
+    def _put_job(self, piece: Call, slots: torch.Tensor, gathered, gather_s: float
+                 ) -> TransferResult:
         times = StageTimes(gather=gather_s)
+        n = len(piece.keys)
+        statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         try:
             if gathered is not None:
                 gathered.synchronize()
+            bad = piece.bad_on_host()
+            good = np.arange(n) if bad is None else np.flatnonzero(~bad)
+            if bad is not None:
+                log.warning("evict: %d of %d keys have out-of-range rows; not stored",
+                            n - good.size, n)
+            kept = slots if bad is None else slots[torch.from_numpy(good)]
+            valid = piece.valid[good]
             if self._checksum is not None:
                 t0 = time.perf_counter()
-                self._checksum.write(slots, self._valid_tokens(valid_tokens, len(slots)))
+                self._checksum.write(kept, torch.from_numpy(valid))
                 times.gather += time.perf_counter() - t0
+            desc = self._describe(kept, [piece.keys[i] for i in good.tolist()], valid)
             t0 = time.perf_counter()
-            statuses, codes = self._store_call(self.store.put, desc)
+            got, got_codes = self._store_call(self.store.put, desc)
             times.put = time.perf_counter() - t0
+            for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
+                statuses[i], codes[i] = st, code
         finally:
             self.staging.free(slots)
-        nbytes = sum(desc.nbytes(i) for i, s in enumerate(statuses) if s is Status.OK)
-        result = TransferResult(statuses, codes, nbytes, times)
+        result = TransferResult(statuses, codes, _ok_bytes(desc, got), times)
         self._count(result, put=True)
         return result
 
-    def _get_job(self, desc: Descriptors, slots, token_pages, layerwise, valid_tokens, box,
-                 ready):
-        ready.wait()
-        transfer: Transfer = box[0]
-        times = StageTimes()
+    def _get_job(self, call: Call, layerwise: bool, progress: LayerProgress) -> TransferResult:
+        results, event = [], None
         try:
-            t0 = time.perf_counter()
-            statuses, codes = self._store_call(self.store.get, desc)
-            if self._checksum is not None:
-                self._verify(slots, valid_tokens, statuses, codes)
-            times.get = time.perf_counter() - t0
-            ok = torch.tensor([s is Status.OK for s in statuses], dtype=torch.bool)  # host
-            t0 = time.perf_counter()
-            if bool(ok.any()):
-                if bool(ok.all()):  # the usual case: the index tensors as they are, no copies
-                    found_slots, found_pages = slots, token_pages
-                else:
-                    found_slots, found_pages = slots[ok], token_pages[ok.to(token_pages.device)]
-                self._scatter(found_slots, found_pages, transfer, layerwise)
-            times.scatter = time.perf_counter() - t0
+            n, size = len(call.keys), self.staging.num_slots
+            for first in range(0, n, size):
+                last = min(n, first + size)
+                try:
+                    slots = self.staging.alloc(last - first, timeout=self.alloc_timeout)
+                except StagingFull:
+                    results.append(self._unstaged(n - first))
+                    break
+                try:
+                    result, event = self._get_piece(
+                        call.piece(first, last), slots, layerwise and last == n, progress,
+                        call.ordered if first == 0 else None)
+                finally:
+                    self.staging.free(slots)
+                results.append(result)
+            progress.all_done(event)
         finally:
-            transfer._all_layers_done()
-            self.staging.free(slots)
-        nbytes = sum(desc.nbytes(i) for i, s in enumerate(statuses) if s is Status.OK)
-        result = TransferResult(statuses, codes, nbytes, times)
-        self._count(result, put=False)
-        return result
+            progress.finish()
+        return join_results(results) if results else TransferResult([], [], 0)
 
-    def _verify(self, slots, valid_tokens, statuses: list[Status], codes: list[int]) -> None:
+    def _get_piece(self, piece: Call, slots: torch.Tensor, layerwise: bool,
+                   progress: LayerProgress, ordered) -> tuple[TransferResult, object]:
+        times = StageTimes()
+        t0 = time.perf_counter()
+        desc = self._describe(slots, piece.keys, piece.valid)
+        statuses, codes = self._store_call(self.store.get, desc)
+        if self._checksum is not None:
+            self._verify(slots, piece.valid, statuses, codes)
+        times.get = time.perf_counter() - t0
+        ok = np.fromiter((s is Status.OK for s in statuses), dtype=bool, count=len(statuses))
+        if isinstance(piece.bad, np.ndarray):  # host indices, check=False
+            _fail_bad(piece.bad & ok, statuses, codes)
+            ok &= ~piece.bad
+        t0 = time.perf_counter()
+        event = self._scatter(piece, slots, ok, layerwise, progress, ordered)
+        times.scatter = time.perf_counter() - t0
+        if isinstance(piece.bad, torch.Tensor):  # device indices: known now, after the sync
+            _fail_bad(piece.bad_on_host() & ok, statuses, codes)
+        result = TransferResult(statuses, codes, _ok_bytes(desc, statuses), times)
+        self._count(result, put=False)
+        return result, event
+
+    def _scatter(self, piece: Call, slots: torch.Tensor, ok: np.ndarray, layerwise: bool,
+                 progress: LayerProgress, ordered):
+        """Scatter the pages of the keys in ``ok`` (and, on a device, without an out-of-range
+        row): all layers, or layer by layer reporting each to ``progress``. Returns on the
+        CPU once copied, on CUDA once the copy has finished on the prefetch stream (the
+        staging slots are freed after it); returns the CUDA event after it, or None."""
+        stream = self._prefetch_stream
+        if not ok.any():
+            return None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if ordered is not None:
+                stream.wait_event(ordered)
+            pages = piece.pages
+            device_bad = isinstance(piece.bad, torch.Tensor)
+            if device_bad or not ok.all():  # the others' pages become -1 (skipped)
+                mask = torch.from_numpy(ok)
+                if pages.is_cuda:
+                    mask = mask.to(pages.device, non_blocking=True)
+                if device_bad:
+                    piece.fetch_bad()
+                    mask = mask & ~piece.bad
+                pages = torch.where(mask[:, None], pages, -1)
+            event = None
+            for prepared in (self._scatter_layer if layerwise else (self._scatter_all,)):
+                copy_pages(prepared, pages, slots, None)
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                if layerwise:
+                    progress.layer_done(event)
+        if stream is not None:
+            stream.synchronize()  # the slots are freed once this returns
+        return event
+
+    def _verify(self, slots: torch.Tensor, valid: np.ndarray, statuses: list[Status],
+                codes: list[int]) -> None:
         """Mark FAILED (code -801) every OK key whose bytes do not match its checksum."""
         got = [i for i, s in enumerate(statuses) if s is Status.OK]
         if not got:
             return
         idx = torch.tensor(got, dtype=torch.int64)
-        valid = self._valid_tokens(valid_tokens, len(slots))[idx]
+        valid = torch.from_numpy(valid)[idx]
         for i, good in zip(got, self._checksum.matches(slots[idx], valid).tolist(), strict=True):
             if not good:
                 statuses[i], codes[i] = Status.FAILED, CHECKSUM_MISMATCH
                 log.warning("object %s failed its checksum; not scattered", i)
-
-    def _scatter(self, slots, token_pages, transfer: Transfer, layerwise: bool) -> None:
-        layer_sets = range(self.kv.max_layers) if layerwise else [None]
-        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else None
-        if stream_ctx is not None:
-            stream_ctx.__enter__()
-        try:
-            for layer in layer_sets:
-                scatter(self.staging, slots, self.kv, token_pages, layers=layer,
-                        backend=self.backend, check=False)
-                event = None
-                if self._stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                if layer is not None:
-                    transfer._layer_done(layer, event)
-            if self._stream is not None:
-                self._stream.synchronize()  # staging slots are freed after this returns
-        finally:
-            if stream_ctx is not None:
-                stream_ctx.__exit__(None, None, None)
 
     def _store_call(self, op, desc: Descriptors) -> tuple[list[Status], list[int]]:
         """Run a store put/get; an exception becomes FAILED for every key, never lost."""
@@ -365,3 +472,42 @@ class KVMover:
             return [Status.FAILED] * len(desc), [-1] * len(desc)
         codes = list(getattr(statuses, "codes", [0 if s is Status.OK else -1 for s in statuses]))
         return list(statuses), codes
+
+
+@dataclass
+class Call:
+    """A call's arguments, validated and taken at call time (or a piece of them)."""
+
+    keys: list[str]
+    pages: torch.Tensor  # int64 [n, page_tokens]: a copy made at call time (CPU or device)
+    valid: np.ndarray  # int64 [n] valid tokens per key
+    bad: np.ndarray | torch.Tensor | None  # bool [n]: a row of the key's page out of range
+    ordered: object = None  # CUDA event after the caller's work at call time
+    _bad_host: torch.Tensor | None = None
+
+    def piece(self, first: int, last: int) -> Call:
+        bad = None if self.bad is None else self.bad[first:last]
+        return Call(self.keys[first:last], self.pages[first:last], self.valid[first:last],
+                    bad, self.ordered)
+
+    def fetch_bad(self) -> None:
+        """Enqueue the copy of a device ``bad`` mask to the host (on the current stream)."""
+        if isinstance(self.bad, torch.Tensor):
+            self._bad_host = self.bad.to("cpu", non_blocking=True)
+
+    def bad_on_host(self) -> np.ndarray | None:
+        """``bad`` on the host: after :meth:`fetch_bad` and a wait for the stream."""
+        if isinstance(self.bad, torch.Tensor):
+            return self._bad_host.numpy()
+        return self.bad
+
+
+def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None:
+    for i in np.flatnonzero(bad).tolist():
+        statuses[i], codes[i] = Status.FAILED, BAD_ROWS
+    if bad.any():
+        log.warning("prefetch: %d keys have out-of-range rows; not scattered", int(bad.sum()))
+
+
+def _ok_bytes(desc: Descriptors, statuses: list[Status]) -> int:
+    return sum(desc.nbytes(i) for i, s in enumerate(statuses) if s is Status.OK)

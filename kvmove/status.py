@@ -35,9 +35,14 @@ RPC_TIMEOUT = -901
 # kvmove's code for the keys of a Mooncake call that raised instead of answering
 # (Mooncake itself uses -1 for INTERNAL_ERROR; either way the key FAILED).
 CLIENT_EXCEPTION = -1
+# kvmove's codes for keys that FAILED before reaching the store (never Mooncake's):
+BAD_ROWS = -10001  # a row index of the key's page was out of range (check=False, device indices)
+STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_timeout
 
 CODE_NAMES = {
     CLIENT_EXCEPTION: "INTERNAL_ERROR",
+    BAD_ROWS: "KVMOVE_BAD_ROWS",
+    STAGING_TIMEOUT: "KVMOVE_STAGING_TIMEOUT",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
     REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",

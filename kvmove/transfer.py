@@ -34,6 +34,12 @@ class StageTimes:
     get: float = 0.0
     scatter: float = 0.0
 
+    def add(self, other: StageTimes) -> None:
+        self.gather += other.gather
+        self.put += other.put
+        self.get += other.get
+        self.scatter += other.scatter
+
 
 @dataclass
 class TransferResult:
@@ -43,37 +49,134 @@ class TransferResult:
     times: StageTimes = field(default_factory=StageTimes)
 
 
+def join_results(parts: list[TransferResult]) -> TransferResult:
+    """The results of consecutive pieces of one call, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = TransferResult([], [], 0)
+    for r in parts:
+        joined.statuses += r.statuses
+        joined.codes += r.codes
+        joined.nbytes += r.nbytes
+        joined.times.add(r.times)
+    return joined
+
+
+class LayerProgress:
+    """Which layers of a prefetch are in the KV cache, without one object per layer: layers
+    complete in order, so a count (and, on CUDA, the event recorded after each layer's
+    scatter) says it all. ``finish()`` releases every waiter (the transfer ended)."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._cond = threading.Condition()
+        self._done = 0  # layers 0 .. _done - 1 are enqueued (CUDA) or copied (CPU)
+        self._events: list = []  # CUDA event after layer i's scatter (None on the CPU)
+        self._finished = False
+        self._all_event = None  # CUDA event after the whole scatter
+
+    # -- the mover ------------------------------------------------------------------------
+    def layer_done(self, event=None) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._done += 1
+            self._cond.notify_all()
+
+    def all_done(self, event=None) -> None:
+        """Every layer is in place (the last event covers them all)."""
+        with self._cond:
+            self._all_event = event
+            self._done = self.num_layers
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    # -- waiters --------------------------------------------------------------------------
+    def wait(self, layer: int | None, timeout: float | None) -> tuple[bool, object]:
+        """Wait until ``layer`` (``None``: all) is done or the transfer finished; returns
+        (reached, the CUDA event to wait on or None)."""
+        want = self.num_layers if layer is None else layer + 1
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done >= want or self._finished, timeout):
+                return False, None
+            if layer is not None and layer < len(self._events):
+                return True, self._events[layer]
+            return True, self._all_event if self._done >= want else None
+
+    def reached(self, layer: int | None) -> bool:
+        with self._cond:
+            return self._finished or self._done >= (
+                self.num_layers if layer is None else layer + 1)
+
+
+class ScatterEvent:
+    """The completion of a prefetch's scatter, usable where a CUDA event is: ``wait(stream)``
+    (so ``stream.wait_event(t.scattered)`` works), ``synchronize()``, ``query()``. The
+    scatter is enqueued by a worker once the get has finished, so ``wait`` and
+    ``synchronize`` first wait on the host for that; on the CPU they return once the rows
+    are copied."""
+
+    def __init__(self, progress: LayerProgress, device: torch.device):
+        self._progress = progress
+        self._device = device
+
+    def _event(self):
+        return self._progress.wait(None, None)[1]
+
+    def wait(self, stream=None) -> None:
+        event = self._event()
+        if event is not None:
+            if stream is None:
+                stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        event = self._event()
+        if event is not None:
+            event.synchronize()
+
+    def query(self) -> bool:
+        if not self._progress.reached(None):
+            return False
+        event = self._event()
+        return True if event is None else event.query()
+
+
 class Transfer:
     """One evict or prefetch. ``wait()`` gives one :class:`Status` per key.
 
     - ``gathered`` (evict): an event after which the engine may overwrite the evicted KV
       rows (a ``torch.cuda.Event`` on CUDA; on CPU the gather finished before ``evict``
       returned and this is an already-completed stand-in).
+    - ``scattered`` (prefetch): an event-like object after which every ``OK`` key's rows
+      are in the KV cache (see :class:`ScatterEvent`).
     - ``wait_layer(l)`` (prefetch): returns once layer ``l`` of every OK key is in the KV
-      cache (on CUDA: once the engine's current stream has been made to wait for it).
+      cache (on CUDA: once the engine's current stream on the KV's device has been made to
+      wait for it).
+
+    A call larger than the staging runs in pieces; their results are joined in key order.
     """
 
-    def __init__(self, keys: list[str], future: Future, *, kind: str, num_layers: int,
-                 gathered=None):
+    def __init__(self, keys: list[str], *, kind: str, num_layers: int,
+                 device: torch.device | None = None):
         self.keys = keys
         self.kind = kind
-        self.gathered = gathered if gathered is not None else CompletedEvent()
-        self._future = future
-        self._layers = [threading.Event() for _ in range(num_layers)]
-        self._layer_events: list = [None] * num_layers  # CUDA events, when on CUDA
+        self.device = device if device is not None else torch.device("cpu")
+        self.gathered = CompletedEvent()
+        self._pieces: list[tuple[int, Future | TransferResult]] = []  # (first key, result)
+        self._progress = LayerProgress(num_layers)
+        self.scattered = ScatterEvent(self._progress, self.device)
 
     # -- for the mover --------------------------------------------------------------------
-    def _layer_done(self, layer: int, cuda_event=None) -> None:
-        self._layer_events[layer] = cuda_event
-        self._layers[layer].set()
-
-    def _all_layers_done(self) -> None:
-        for e in self._layers:
-            e.set()
+    def _add(self, first: int, piece: Future | TransferResult) -> None:
+        self._pieces.append((first, piece))
 
     # -- for the engine -------------------------------------------------------------------
     def done(self) -> bool:
-        return self._future.done()
+        return all(not isinstance(p, Future) or p.done() for _, p in self._pieces)
 
     def wait(self, timeout: float | None = None) -> list[Status]:
         """Block until the transfer ends; one status per key. Raises ``TimeoutError`` if it
@@ -82,21 +185,29 @@ class Transfer:
 
     def result(self, timeout: float | None = None) -> TransferResult:
         """Statuses, raw Mooncake codes, bytes moved and per-stage times."""
-        try:
-            return self._future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"{self.kind} of {len(self.keys)} keys still running") from None
+        parts = []
+        for _, piece in sorted(self._pieces, key=lambda p: p[0]):
+            if isinstance(piece, Future):
+                try:
+                    piece = piece.result(timeout)
+                except FutureTimeout:
+                    raise TimeoutError(
+                        f"{self.kind} of {len(self.keys)} keys still running") from None
+            parts.append(piece)
+        return join_results(parts)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < len(self._layers):
-            raise IndexError(f"layer must be in 0..{len(self._layers) - 1}, got {layer!r}")
-        if not self._layers[layer].wait(timeout):
+        n = self._progress.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise IndexError(f"layer must be in 0..{n - 1}, got {layer!r}")
+        reached, event = self._progress.wait(layer, timeout)
+        if not reached:
             raise TimeoutError(f"layer {layer} of the {self.kind} is not in the KV cache yet")
-        event = self._layer_events[layer]
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-        if self._future.done() and self._future.exception() is not None:
-            raise self._future.exception()
+            torch.cuda.current_stream(self.device).wait_event(event)
+        for _, piece in self._pieces:
+            if isinstance(piece, Future) and piece.done() and piece.exception() is not None:
+                raise piece.exception()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"

@@ -212,7 +212,7 @@ def test_layer_subset_copies_only_those_layers(backend):
 
 
 def test_auto_backend_is_torch_without_a_gpu():
-    from kvmove.rows.moves import resolve_backend
+    from kvmove.rows.prepared import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"

@@ -78,7 +78,7 @@ def test_the_kernel_is_compiled_not_interpreted():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert not isinstance(copy_rows._copy_rows_kernel, InterpretedFunction), (
-        "TRITON_INTERPRET was set when kvmove.kernels.copy_rows was imported")
+        "TRITON_INTERPRET was set when kvmove.kernels.row_copy was imported")
 
 
 def test_staging_is_pinned_and_device_accessible():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import triton
 import triton.language as tl
-from kvmove.kernels.copy_rows import _copy_rows_kernel
+from kvmove.kernels.row_copy import _copy_rows_kernel
 
 pytest.importorskip("triton.backends.nvidia")
 from triton.backends.compiler import GPUTarget

@@ -11,7 +11,7 @@ import torch
 
 import kvmove
 from kvmove import mover as mover_module
-from tests.caches import make_layers, snapshot
+from tests.caches import make_layers, snapshot, write_random
 
 GEOMETRIES = {
     "mla": lambda slots: {"kv": make_layers(4, slots, 656, torch.uint8, stacked=True, seed=1)},
@@ -150,14 +150,14 @@ def test_layerwise_prefetch_makes_layer_0_available_before_the_call_ends(
     want = snapshot(kv)
     assert mover.evict(keys, src).wait(30) == [kvmove.Status.OK] * 2
     release = threading.Event()
-    real_scatter = mover_module.scatter
+    real_copy = mover_module.copy_pages
 
-    def slow_scatter(*args, layers=None, **kwargs):
-        if layers == 1:  # a slow consumer: layer 1 waits until the test has seen layer 0
+    def slow_copy(prepared, *args):
+        if prepared is mover._scatter_layer[1]:  # a slow consumer: layer 1 waits for the test
             assert release.wait(30)
-        return real_scatter(*args, layers=layers, **kwargs)
+        return real_copy(prepared, *args)
 
-    monkeypatch.setattr(mover_module, "scatter", slow_scatter)
+    monkeypatch.setattr(mover_module, "copy_pages", slow_copy)
     t = mover.prefetch(keys, torch.tensor([[16, 17, 18, 19], [20, 21, 22, 23]]),
                        layerwise=True)
     t.wait_layer(0, timeout=30)
@@ -225,15 +225,71 @@ def test_close_with_transfers_in_flight_finishes_them(store, keyspace):
 def test_full_staging_applies_back_pressure_then_raises(make_mover, keyspace):
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     mover = make_mover(kv, staging_slots=2, alloc_timeout=0.2)
-    with pytest.raises(kvmove.StagingFull, match="split the batch"):
-        mover.evict(keyspace(3), torch.zeros(3, 4, dtype=torch.int64))
     held = mover.staging.alloc(2)
-    with pytest.raises(kvmove.StagingFull):
+    with pytest.raises(kvmove.StagingFull):  # the first piece: nothing started
         mover.evict(keyspace(1), torch.tensor([[0, 1, 2, 3]]))
+    assert mover.staging.num_free == 0
     threading.Timer(0.1, mover.staging.free, args=(held,)).start()
     mover.alloc_timeout = 10
     assert mover.evict(keyspace(1, "late"), torch.tensor([[0, 1, 2, 3]])).wait(30) == [
         kvmove.Status.OK]
+
+
+def test_calls_larger_than_the_staging_run_in_pieces(make_mover, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](72))
+    want = snapshot(kv)
+    mover = make_mover(kv, staging_slots=3)
+    keys = keyspace(8)  # three pieces: 3 + 3 + 2
+    pages = torch.arange(32).reshape(8, 4)
+    t = mover.evict(keys, pages)
+    assert t.wait(30) == [kvmove.Status.OK] * 8
+    assert mover.staging.num_free == 3
+    # Back into other rows, with an unknown key in the middle piece, layer by layer.
+    write_random(kv, torch.arange(32, 68), torch.Generator().manual_seed(7))
+    after = snapshot(kv)
+    asked = [*keys[:4], "never-stored", *keys[4:]]
+    dest = torch.arange(32, 68).reshape(9, 4)
+    p = mover.prefetch(asked, dest, layerwise=True)
+    for layer in range(kv.max_layers):
+        p.wait_layer(layer, timeout=30)
+    p.scattered.synchronize()
+    statuses = p.wait(30)
+    assert statuses == [kvmove.Status.OK] * 4 + [kvmove.Status.MISS] + [kvmove.Status.OK] * 4
+    assert mover.staging.num_free == 3
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            got, src = kv.layer(name, layer), want[name][layer]
+            for i, k in enumerate(asked):
+                rows = dest[i]
+                if k == "never-stored":  # untouched
+                    assert torch.equal(got[rows], after[name][layer][rows])
+                else:
+                    j = keys.index(k)
+                    assert torch.equal(got[rows], src[pages[j]])
+
+
+def test_a_later_piece_without_slots_fails_its_keys_and_keeps_the_rows(make_mover, keyspace,
+                                                                       monkeypatch):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    mover = make_mover(kv, staging_slots=2, alloc_timeout=0.2)
+    # The first piece's put holds its slots until the store answers; a store stalled for
+    # longer than alloc_timeout leaves the second piece without slots.
+    release = threading.Event()
+    real_put = mover.store.put
+
+    def stalled_put(desc):
+        assert release.wait(30)
+        return real_put(desc)
+
+    monkeypatch.setattr(mover.store, "put", stalled_put)
+    try:
+        t = mover.evict(keyspace(3), torch.arange(12).reshape(3, 4))
+    finally:
+        release.set()
+    result = t.result(30)
+    assert result.statuses == [kvmove.Status.OK] * 2 + [kvmove.Status.FAILED]
+    assert result.codes[2] == kvmove.status.STAGING_TIMEOUT
+    assert mover.staging.num_free == 2
 
 
 @pytest.mark.parametrize(
@@ -263,3 +319,75 @@ def test_bad_calls_raise_and_keep_staging_full(make_mover, keyspace, call, error
     assert mover.staging.num_free == mover.staging.num_slots
     after = snapshot(kv)
     assert all(torch.equal(a, b) for a, b in zip(before["kv"], after["kv"], strict=True))
+
+
+def test_unchecked_calls_fail_the_keys_with_bad_rows_and_only_those(make_mover, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](32))
+    want = snapshot(kv)
+    mover = make_mover(kv, check=False)
+    keys = keyspace(3)
+    pages = torch.tensor([[0, 1, 2, 3], [4, 5, 99, 7], [8, 9, 10, 11]])  # 99: past 32 slots
+    result = mover.evict(keys, pages).result(30)
+    assert result.statuses == [kvmove.Status.OK, kvmove.Status.FAILED, kvmove.Status.OK]
+    assert result.codes[1] == kvmove.status.BAD_ROWS
+    assert mover.store.exists(mover.keyspace.store_keys(keys)) == [True, False, True]
+    # Prefetch: a key whose destination page has a bad row FAILED, its rows untouched; the
+    # others land.
+    dest = torch.tensor([[12, 13, 14, 15], [16, 17, 18, 19], [20, -5, 22, 23]])
+    got = mover.prefetch([keys[0], keys[2], keys[2] + "-again"], dest[[0, 1, 2]]).result(30)
+    assert got.statuses == [kvmove.Status.OK, kvmove.Status.OK, kvmove.Status.MISS]
+    bad = mover.prefetch([keys[2]], dest[2:]).result(30)
+    assert bad.statuses == [kvmove.Status.FAILED] and bad.codes == [kvmove.status.BAD_ROWS]
+    for n in kv.buffer_names:
+        for layer in range(kv.num_layers(n)):
+            t = kv.layer(n, layer)
+            assert torch.equal(t[12:16], want[n][layer][0:4])
+            assert torch.equal(t[16:20], want[n][layer][8:12])
+            assert torch.equal(t[20:24], want[n][layer][20:24])  # untouched
+    assert mover.staging.num_free == mover.staging.num_slots
+
+
+def test_scattered_marks_the_end_of_a_prefetch_on_the_cpu(make_mover, keyspace, monkeypatch):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    want = snapshot(kv)
+    mover = make_mover(kv)
+    keys = keyspace(2)
+    assert mover.evict(keys, torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])).wait(30) == [
+        kvmove.Status.OK] * 2
+    release = threading.Event()
+    real_copy = mover_module.copy_pages
+
+    def slow_copy(prepared, *args):
+        if prepared.direction == "scatter":
+            assert release.wait(30)
+        return real_copy(prepared, *args)
+
+    monkeypatch.setattr(mover_module, "copy_pages", slow_copy)
+    t = mover.prefetch(keys, torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]]))
+    assert not t.scattered.query()
+    release.set()
+    t.scattered.synchronize()
+    assert t.scattered.query()
+    t.scattered.wait()  # what stream.wait_event(t.scattered) calls
+    for layer in range(kv.num_layers("kv")):
+        assert torch.equal(kv.layer("kv", layer)[8:16], want["kv"][layer][0:8])
+    assert t.wait(30) == [kvmove.Status.OK] * 2
+
+
+def test_the_mover_copies_index_tensors_at_call_time(make_mover, keyspace, monkeypatch):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    want = snapshot(kv)
+    mover = make_mover(kv)
+    keys = keyspace(1)
+    assert mover.evict(keys, torch.tensor([[0, 1, 2, 3]])).wait(30) == [kvmove.Status.OK]
+    release = threading.Event()
+    real_get = mover.store.get
+    monkeypatch.setattr(mover.store, "get", lambda desc: (release.wait(30), real_get(desc))[1])
+    dest = torch.tensor([[8, 9, 10, 11]])
+    t = mover.prefetch(keys, dest)
+    dest[0] = torch.tensor([16, 17, 18, 19])  # the engine reuses its index buffer at once
+    release.set()
+    assert t.wait(30) == [kvmove.Status.OK]
+    for layer in range(kv.num_layers("kv")):
+        assert torch.equal(kv.layer("kv", layer)[8:12], want["kv"][layer][0:4])
+        assert torch.equal(kv.layer("kv", layer)[16:20], want["kv"][layer][16:20])

@@ -13,7 +13,7 @@ from kvmove.kernels import configs
 from kvmove.kernels.configs import LaunchConfig
 
 from kvmove.rows import launch_config
-from kvmove.rows.moves import resolve_backend
+from kvmove.rows.prepared import resolve_backend
 from kvmove.tuning import autotune, command, config_search, key_tuning
 
 GPU = "Fake GPU 9000"

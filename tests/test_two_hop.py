@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import kvmove
 from kvmove.rows.copy_engine import copy_span_grid, copy_spans
 from kvmove.rows.device_ring import ENV_RING_BYTES, ring_for
-from kvmove.rows.moves import resolve_backend
+from kvmove.rows.prepared import resolve_backend
 from kvmove.rows.two_hop import copy_rows_two_hop, span_grid
 from tests.caches import (
     assert_same,

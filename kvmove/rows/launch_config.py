@@ -89,7 +89,7 @@ def gpu_name(device: torch.device) -> str:
     return name
 
 
-def launch_config(device: torch.device, direction: str, row_bytes: int,
+def config_for(device: torch.device, direction: str, row_bytes: int,
                   page_tokens: int) -> LaunchConfig:
     """The kernel's launch config for a copy on ``device``: user cache, shipped table,
     defaults on a GPU; the interpreter's fixed config on the CPU."""

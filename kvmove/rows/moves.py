@@ -1,10 +1,14 @@
-"""``copy_rows``, ``gather`` and ``scatter``: rows between two row pools, all layers of all
-buffers (or a layer subset), through the Triton kernel or the torch backend."""
+"""The public row moves — ``copy_rows``, ``gather`` and ``scatter`` — between two row pools,
+all layers of all buffers (or a layer subset). Each validates its arguments once, here,
+then runs a :class:`~kvmove.rows.prepared.PreparedCopy` unchecked.
+
+Index tensors on the CPU are validated on the host before anything is written. Index
+tensors on the copy's device are never read on the host (that would wait for the device):
+out-of-range rows there are skipped by the kernel and counted in the returned error
+counter, and duplicate destinations are not detected.
+"""
 
 from __future__ import annotations
-
-import math
-from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -16,13 +20,11 @@ from kvmove.rows.indices import (
     check_unique,
     page_rows,
 )
-from kvmove.rows.launch_config import launch_config, preferred_backend
-from kvmove.rows.plan import RowPlan, plan_rows, plan_whole_pages
-from kvmove.rows.pool import BufferRows, RowPool
-from kvmove.rows.torch_backend import copy_rows_torch
+from kvmove.rows.plan import plan_whole_pages
+from kvmove.rows.pool import RowPool
+from kvmove.rows.prepared import PreparedCopy, kernel_device, prepared_copy
 from kvmove.staging import StagingBuffer
 
-BACKENDS = ("auto", "triton", "torch", "two_hop")
 Pool = KVCache | StagingBuffer
 
 
@@ -34,27 +36,6 @@ def _row_pool(value, name: str) -> RowPool:
     return value.row_pool
 
 
-def kernel_device(src: RowPool, dst: RowPool) -> torch.device:
-    """The device that runs the copy: the GPU when either side lives on one."""
-    return src.device if src.device.type != "cpu" else dst.device
-
-
-def resolve_backend(backend: str, device: torch.device, *, direction: str | None = None,
-                    row_bytes: int | None = None, page_tokens: int = 1) -> str:
-    """The backend that runs a copy on ``device``. ``"auto"`` is torch without a GPU; on
-    CUDA it is the direct Triton kernel, or the two-hop path where the tuner recorded that
-    as faster for this shape (when ``direction`` and ``row_bytes`` are given)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if device.type != "cuda":
-            return "torch"
-        if direction is None or row_bytes is None:
-            return "triton"
-        return preferred_backend(device, direction, row_bytes, page_tokens)
-    return backend
-
-
 def _check_geometry(src: RowPool, dst: RowPool) -> None:
     if src.shape != dst.shape:
         raise ValueError(
@@ -63,53 +44,7 @@ def _check_geometry(src: RowPool, dst: RowPool) -> None:
         )
 
 
-def select_layers(pool: RowPool, layers) -> Mapping[str, Sequence[int]]:
-    """For each buffer, the layers to copy: all (``None``), the one layer ``l`` of every buffer
-    that has it (an int), or a subset (a sequence of ints)."""
-    if layers is None:
-        return pool.all_layers
-    max_layers = max(b.num_layers for b in pool.buffers.values())
-    if isinstance(layers, bool):
-        raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
-    wanted = [layers] if isinstance(layers, int) else layers
-    if not isinstance(wanted, Sequence) or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in wanted
-    ):
-        raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
-    for x in wanted:
-        if not 0 <= x < max_layers:
-            raise IndexError(f"layers: layer {x} is out of range 0..{max_layers - 1}")
-    if len(set(wanted)) != len(wanted):
-        raise ValueError(f"layers names a layer twice: {list(wanted)}")
-    return {n: [x for x in wanted if x < b.num_layers] for n, b in pool.buffers.items()}
-
-
-def _alignment(src: BufferRows, dst: BufferRows, layers) -> int:
-    """The greatest common divisor of both sides' base addresses of ``layers``."""
-    return math.gcd(src.base_alignment(tuple(layers)), dst.base_alignment(tuple(layers)))
-
-
-def _launch_triton(src, dst, layers, s, d, errors, direction, page_tokens, device):
-    from kvmove.kernels.copy_rows import copy_rows as launch
-
-    config = launch_config(device, direction, src.row_bytes, page_tokens)
-    launch(
-        src.address_table(tuple(layers), device),
-        dst.address_table(tuple(layers), device),
-        s,
-        d,
-        errors,
-        src_limit=src.num_rows,
-        dst_limit=dst.num_rows,
-        src_pitch=src.pitch,
-        dst_pitch=dst.pitch,
-        row_bytes=src.row_bytes,
-        base_alignment=_alignment(src, dst, layers),
-        config=config,
-    )
-
-
-def _error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The caller's error counter, checked, or a new one."""
     if errors is None:
         return torch.zeros(1, dtype=torch.int32, device=device)
@@ -120,85 +55,34 @@ def _error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.T
     return errors
 
 
-def _whole_page_plan(kv: KVCache, staging: StagingBuffer, token_pages: torch.Tensor,
-                     slots: torch.Tensor, backend: str, device: torch.device, *,
-                     gathering: bool) -> RowPlan | None:
-    """The torch backend's plan of a gather or scatter on the CPU where every page is whole
-    (see :func:`plan_whole_pages`): no row lists, no per-row checks. None otherwise."""
-    if device.type != "cpu" or resolve_backend(backend, device) != "torch":
-        return None
-    return plan_whole_pages(token_pages, slots, kv.num_slots, staging.num_slots,
-                            kv_is_src=gathering)
-
-
-def _copy_planned(src: Pool, dst: Pool, plan: RowPlan, device: torch.device, *, layers,
-                  errors: torch.Tensor | None) -> torch.Tensor:
-    """Every buffer's copy on the torch backend, by a plan made beforehand."""
-    sp, dp = src.row_pool, dst.row_pool
-    errors = _error_counter(errors, device)
-    chosen = select_layers(sp, layers)
-    for name, src_buf in sp.buffers.items():
-        if chosen[name]:
-            copy_rows_torch(src_buf, dp.buffers[name], chosen[name], None, None, None, plan=plan)
-    return errors
-
-
-def _copy(
-    src: Pool,
-    src_rows: torch.Tensor,
-    dst: Pool,
-    dst_rows: torch.Tensor,
-    *,
-    layers,
-    backend: str,
-    check: bool,
-    errors: torch.Tensor | None,
-    page_tokens: int,
-    direction: str,
-) -> torch.Tensor:
-    sp, dp = src.row_pool, dst.row_pool
-    device = kernel_device(sp, dp)
-    kinds = {  # the backend of each buffer ("auto" may differ by row size)
-        name: resolve_backend(backend, device, direction=direction, row_bytes=b.row_bytes,
-                              page_tokens=page_tokens)
-        for name, b in sp.buffers.items()
-    }
-    chosen = select_layers(sp, layers)
-    errors = _error_counter(errors, device)
+def copy_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor,
+               errors: torch.Tensor | None, *, check: bool = False) -> None:
+    """The gather (``prepared.direction == "gather"``: KV -> staging) or scatter of whole
+    pages: ``token_pages`` ``[n, page_tokens]`` KV rows, ``slots`` ``[n]`` staging slots,
+    ``-1`` skips. Unchecked by default: out-of-range rows are skipped and counted in
+    ``errors``. ``check=True`` runs the checks of :func:`check_pages` first (as part of the
+    planning: a plan of whole pages has every row in range already). On the CPU with the
+    torch backend, pages that are all whole move without row lists."""
+    gathering = prepared.direction == "gather"
+    kv_rows, staging_rows = ((prepared.src_rows_limit, prepared.dst_rows_limit) if gathering
+                             else (prepared.dst_rows_limit, prepared.src_rows_limit))
+    num_slots = staging_rows // prepared.page_tokens
+    if prepared.torch_only and token_pages.device.type == "cpu":
+        plan = plan_whole_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
+        if plan is not None:  # every row in range: only the destinations' uniqueness is left
+            if check:
+                check_unique(plan.pages[1], "slots" if gathering else "token_pages",
+                             page_tokens=1 if gathering else prepared.page_tokens)
+            prepared.run(token_pages, token_pages, errors, plan=plan)  # rows from the plan
+            return
     if check:
-        limit_s = next(iter(sp.buffers.values())).num_rows
-        limit_d = next(iter(dp.buffers.values())).num_rows
-        check_range(src_rows, limit_s, "src_rows")
-        check_range(dst_rows, limit_d, "dst_rows")
-        check_unique(dst_rows, "dst_rows")
-    if src_rows.numel() == 0:
-        return errors
-    host_rows = src_rows, dst_rows  # as given, for the two-hop path's span planning
-    if "triton" in kinds.values():  # the kernel reads the indices as dense arrays on its device
-        src_rows = src_rows.to(device, non_blocking=True).contiguous()
-        dst_rows = dst_rows.to(device, non_blocking=True).contiguous()
-    counter = errors  # count bad rows in the first buffer's copy only
-    plan = None  # the torch backend's index work, shared by all its buffers
-    for name, src_buf in sp.buffers.items():
-        if not chosen[name]:
-            continue
-        dst_buf = dp.buffers[name]
-        if kinds[name] == "triton":
-            _launch_triton(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter,
-                           direction, page_tokens, device)
-        elif kinds[name] == "two_hop":
-            from kvmove.rows.two_hop import copy_rows_two_hop
-
-            copy_rows_two_hop(src_buf, dst_buf, chosen[name], *host_rows, counter,
-                              direction=direction, page_tokens=page_tokens)
-        else:
-            if plan is None:
-                plan = plan_rows(src_rows, dst_rows, src_buf.num_rows, dst_buf.num_rows,
-                                 page_tokens)
-            copy_rows_torch(src_buf, dst_buf, chosen[name], src_rows, dst_rows, counter,
-                            plan=plan)
-        counter = None
-    return errors
+        check_pages(token_pages, slots, kv_rows, num_slots, gathering=gathering)
+    staging_rows = page_rows(slots, prepared.page_tokens)
+    kv = token_pages.reshape(-1)
+    if gathering:
+        prepared.run(kv, staging_rows, errors)
+    else:
+        prepared.run(staging_rows, kv, errors)
 
 
 def copy_rows(
@@ -217,11 +101,12 @@ def copy_rows(
     of every buffer (``layers=None``), layer ``l`` of each buffer that has it (an int), or a
     subset (a sequence of ints).
 
-    ``src_rows``, ``dst_rows``: int32/int64 ``[n]``; ``-1`` on either side skips the row.
-    With ``check=True`` out-of-range rows, duplicate destinations, length, dtype and geometry
-    mismatches raise before anything is written. With ``check=False`` out-of-range rows are
-    skipped and counted instead. Returns the int32 ``[1]`` error counter (on the copy's
-    device; ``errors`` accumulates into a caller's counter).
+    ``src_rows``, ``dst_rows``: int32/int64 ``[n]`` on the CPU or the copy's device; ``-1``
+    on either side skips the row. With ``check=True`` out-of-range rows (of CPU indices),
+    duplicate destinations, length, dtype and geometry mismatches raise before anything is
+    written. Otherwise out-of-range rows are skipped and counted instead. Returns the int32
+    ``[1]`` error counter (on the copy's device; ``errors`` accumulates into a caller's
+    counter). Runs on the current stream of the copy's device.
 
     ``src`` and ``dst`` may be the same pool (e.g. moving KV pages inside one cache); then
     ``check=True`` also refuses a row that is both read and written.
@@ -235,15 +120,20 @@ def copy_rows(
             f"src_rows has {src_rows.numel()} rows but dst_rows has {dst_rows.numel()}"
         )
     _check_geometry(sp, dp)
-    if check and src is dst:
-        check_disjoint(src_rows, dst_rows)
     staging = next((p for p in (src, dst) if isinstance(p, StagingBuffer)), None)
-    page_tokens = staging.page_tokens if staging is not None else 1
-    direction = "gather" if isinstance(dst, StagingBuffer) else "scatter"
-    return _copy(
-        src, src_rows, dst, dst_rows, layers=layers, backend=backend, check=check,
-        errors=errors, page_tokens=page_tokens, direction=direction,
-    )
+    prepared = prepared_copy(
+        sp, dp, layers, backend=backend,
+        direction="gather" if isinstance(dst, StagingBuffer) else "scatter",
+        page_tokens=staging.page_tokens if staging is not None else 1)
+    errors = error_counter(errors, device)
+    if check and not (src_rows.is_cuda or dst_rows.is_cuda):
+        check_range(src_rows, prepared.src_rows_limit, "src_rows")
+        check_range(dst_rows, prepared.dst_rows_limit, "dst_rows")
+        check_unique(dst_rows, "dst_rows")
+        if src is dst:
+            check_disjoint(src_rows, dst_rows)
+    prepared.run(src_rows, dst_rows, errors)
+    return errors
 
 
 def _page_args(kv, staging, token_pages, slots):
@@ -266,6 +156,21 @@ def _page_args(kv, staging, token_pages, slots):
     return token_pages, slots, device
 
 
+def check_pages(token_pages: torch.Tensor, slots: torch.Tensor, kv_slots: int,
+                staging_slots: int, *, gathering: bool) -> None:
+    """The checks of ``check=True`` on CPU page indices: every KV row and slot in range
+    (or ``-1``), and no destination named twice (slots for a gather, KV rows for a
+    scatter). Device-resident indices are not checked here (see the module's docstring)."""
+    if token_pages.is_cuda or slots.is_cuda:
+        return
+    check_range(slots, staging_slots, "slots")
+    check_range(token_pages, kv_slots, "token_pages")
+    if gathering:
+        check_unique(slots, "slots")
+    else:
+        check_unique(token_pages, "token_pages")
+
+
 def gather(
     kv: KVCache,
     staging: StagingBuffer,
@@ -276,27 +181,18 @@ def gather(
     check: bool = True,
     errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather KV token rows into layer-first staging pages, all layers of all buffers.
+    """Gather KV token rows into staging pages, all layers of all buffers.
 
     ``token_pages``: int32/int64 ``[n, page_tokens]`` KV token slots; ``-1`` is padding (that
     staging row is left as it was). ``slots``: ``[n]`` staging slots (``-1`` skips a page).
     Returns the int32 ``[1]`` error counter (see :func:`copy_rows`).
     """
     token_pages, slots, device = _page_args(kv, staging, token_pages, slots)
-    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, device, gathering=True)
-    if plan is not None:  # every row in range: only the slots' uniqueness is left to check
-        if check:
-            check_unique(plan.pages[1], "slots")
-        return _copy_planned(kv, staging, plan, device, layers=None, errors=errors)
-    if check:
-        check_range(slots, staging.num_slots, "slots")
-        check_unique(slots, "slots")
-        check_range(token_pages, kv.num_slots, "token_pages")
-    return _copy(
-        kv, token_pages.reshape(-1), staging, page_rows(slots, staging.page_tokens),
-        layers=None, backend=backend, check=False, errors=errors,
-        page_tokens=staging.page_tokens, direction="gather",
-    )
+    prepared = prepared_copy(kv.row_pool, staging.row_pool, backend=backend,
+                             direction="gather", page_tokens=staging.page_tokens)
+    errors = error_counter(errors, device)
+    copy_pages(prepared, token_pages, slots, errors, check=check)
+    return errors
 
 
 def scatter(
@@ -317,17 +213,8 @@ def scatter(
     token slots, ``-1`` = padding (that KV row is left untouched). Returns the error counter.
     """
     token_pages, slots, device = _page_args(kv, staging, token_pages, slots)
-    plan = _whole_page_plan(kv, staging, token_pages, slots, backend, device, gathering=False)
-    if plan is not None:  # whole pages: unique KV rows iff unique KV pages
-        if check:
-            check_unique(plan.pages[1], "token_pages", page_tokens=staging.page_tokens)
-        return _copy_planned(staging, kv, plan, device, layers=layers, errors=errors)
-    if check:
-        check_range(slots, staging.num_slots, "slots")
-        check_range(token_pages, kv.num_slots, "token_pages")
-        check_unique(token_pages, "token_pages")
-    return _copy(
-        staging, page_rows(slots, staging.page_tokens), kv, token_pages.reshape(-1),
-        layers=layers, backend=backend, check=False, errors=errors,
-        page_tokens=staging.page_tokens, direction="scatter",
-    )
+    prepared = prepared_copy(staging.row_pool, kv.row_pool, layers, backend=backend,
+                             direction="scatter", page_tokens=staging.page_tokens)
+    errors = error_counter(errors, device)
+    copy_pages(prepared, token_pages, slots, errors, check=check)
+    return errors

@@ -8,12 +8,14 @@ pool whose rows are ``slot * page_tokens + t``.
 
 from __future__ import annotations
 
-import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+
+from kvmove.kernels.alignment import pow2_alignment
 
 RUN_VIEWS_KEPT = 32  # per buffer: runs whose per-layer views are kept
 # Element types of element-wise copies, widest first. complex128 is the only 16-byte type
@@ -56,16 +58,6 @@ class BufferRows:
             self._tables[key] = table
         return table
 
-    def base_alignment(self, layers: tuple[int, ...]) -> int:
-        """The greatest common divisor of the device addresses of ``layers`` (1 for none;
-        cached)."""
-        key = ("alignment", layers)
-        value = self._tables.get(key)
-        if value is None:
-            value = math.gcd(*(self.device_addresses[i] for i in layers)) or 1
-            self._tables[key] = value
-        return value
-
     def widest_type(self, unit: int) -> torch.dtype:
         """The widest element type whose elements tile every unit of ``unit`` rows in every
         layer: the unit's bytes, its pitch and each layer's base address (and offset in its
@@ -73,14 +65,10 @@ class BufferRows:
         key = ("width", unit)
         dtype = self._tables.get(key)
         if dtype is None:
-            dtype = torch.uint8
-            for wide in WIDE_TYPES:
-                size = wide.itemsize
-                if (unit * self.row_bytes) % size == 0 and (unit * self.pitch) % size == 0 \
-                        and all(t.data_ptr() % size == 0 and t.storage_offset() % size == 0
-                                for t in self.layers):
-                    dtype = wide
-                    break
+            size = pow2_alignment(unit * self.row_bytes, unit * self.pitch,
+                                  *(t.data_ptr() for t in self.layers),
+                                  *(t.storage_offset() for t in self.layers))
+            dtype = next((w for w in WIDE_TYPES if w.itemsize <= size), torch.uint8)
             self._tables[key] = dtype
         return dtype
 
@@ -144,6 +132,8 @@ class RowPool:
         self.all_layers = MappingProxyType({b.name: tuple(range(b.num_layers)) for b in buffers})
         gpus = [b.device for b in buffers if b.device.type != "cpu"]
         self.device = gpus[0] if gpus else torch.device("cpu")  # where its memory lives
+        # Prepared copies from or to this pool (kvmove.rows.prepared), by their geometry.
+        self.prepared: OrderedDict = OrderedDict()
 
     @property
     def buffer_names(self) -> list[str]:

@@ -27,6 +27,7 @@ from kvmove.rows.copy_engine import copy_span_grid
 from kvmove.rows.device_ring import ring_for
 from kvmove.rows.pool import BufferRows
 from kvmove.rows.torch_backend import copy_rows_torch
+from kvmove.rows.triton_launch import kernel_args, launch
 
 
 def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
@@ -62,11 +63,10 @@ def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,
 
 def _device_copy(src, dst, layers, src_rows, dst_rows, *, inner, direction, page_tokens):
     if inner == "triton":
-        from kvmove.rows.moves import _launch_triton
-
         device = src.device if src.device.type != "cpu" else dst.device
-        _launch_triton(src, dst, layers, src_rows.to(device), dst_rows.to(device), None,
-                       direction, page_tokens, device)
+        args = kernel_args(src, dst, tuple(layers), device, direction=direction,
+                           page_tokens=page_tokens)
+        launch(args, src_rows.to(device), dst_rows.to(device), None)
     elif inner == "torch":
         copy_rows_torch(src, dst, layers, src_rows, dst_rows, None)
     else:

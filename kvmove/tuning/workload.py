@@ -10,7 +10,7 @@ import torch
 from kvmove.cache import KVCache
 from kvmove.kernels.alignment import pow2_alignment
 from kvmove.kernels.configs import LaunchConfig
-from kvmove.kernels.copy_rows import copy_rows as launch
+from kvmove.kernels.row_copy import copy_rows as launch
 from kvmove.rows.moves import gather, scatter
 from kvmove.staging import StagingBuffer
 

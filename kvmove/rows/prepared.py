@@ -1,0 +1,173 @@
+"""Prepared copies: everything about copying rows between two row pools for one layer set
+that depends on geometry alone — the device, each buffer's backend, its layers, pointer
+tables on the device, alignment and launch config — worked out once and cached. A call
+then does only what depends on its indices (:meth:`PreparedCopy.run`), unchecked: the
+public entry points validate first, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmove.rows.launch_config import preferred_backend
+from kvmove.rows.plan import RowPlan, plan_rows
+from kvmove.rows.pool import BufferRows, RowPool
+from kvmove.rows.torch_backend import copy_rows_torch
+from kvmove.rows.triton_launch import KernelArgs, kernel_args, launch
+from kvmove.rows.two_hop import copy_rows_two_hop
+
+BACKENDS = ("auto", "triton", "torch", "two_hop")
+PREPARED_KEPT = 64  # per row pool: prepared copies kept (least recently used dropped)
+
+
+def kernel_device(src: RowPool, dst: RowPool) -> torch.device:
+    """The device that runs the copy: the GPU when either side lives on one."""
+    return src.device if src.device.type != "cpu" else dst.device
+
+
+def resolve_backend(backend: str, device: torch.device, *, direction: str | None = None,
+                    row_bytes: int | None = None, page_tokens: int = 1) -> str:
+    """The backend that runs a copy on ``device``. ``"auto"`` is torch without a GPU; on
+    CUDA it is the direct Triton kernel, or the two-hop path where the tuner recorded that
+    as faster for this shape (when ``direction`` and ``row_bytes`` are given)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if direction is None or row_bytes is None:
+            return "triton"
+        return preferred_backend(device, direction, row_bytes, page_tokens)
+    return backend
+
+
+def select_layers(pool: RowPool, layers) -> Mapping[str, tuple[int, ...]]:
+    """For each buffer, the layers to copy: all (``None``), the one layer ``l`` of every buffer
+    that has it (an int), or a subset (a sequence of ints)."""
+    if layers is None:
+        return pool.all_layers
+    max_layers = max(b.num_layers for b in pool.buffers.values())
+    if isinstance(layers, bool):
+        raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
+    wanted = [layers] if isinstance(layers, int) else layers
+    if not isinstance(wanted, Sequence) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in wanted
+    ):
+        raise TypeError(f"layers must be None, an int or a sequence of ints, got {layers!r}")
+    for x in wanted:
+        if not 0 <= x < max_layers:
+            raise IndexError(f"layers: layer {x} is out of range 0..{max_layers - 1}")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"layers names a layer twice: {list(wanted)}")
+    return {n: tuple(x for x in wanted if x < b.num_layers) for n, b in pool.buffers.items()}
+
+
+@dataclass(frozen=True)
+class BufferCopy:
+    """One buffer's part of a prepared copy."""
+
+    src: BufferRows
+    dst: BufferRows
+    layers: tuple[int, ...]
+    backend: str  # "triton", "torch" or "two_hop"
+    kernel: KernelArgs | None = None  # backend "triton" only
+
+
+class PreparedCopy:
+    """Copies of rows from pool ``src`` to pool ``dst`` for one layer set (``None``: all
+    layers of all buffers; an int: that layer of each buffer that has it; a sequence), on
+    ``backend``, prepared once. ``direction`` ("gather" into staging, "scatter" out of it)
+    and ``page_tokens`` pick launch configs."""
+
+    def __init__(self, src: RowPool, dst: RowPool, layers, *, backend: str, direction: str,
+                 page_tokens: int):
+        self.src, self.dst = src, dst
+        self.direction, self.page_tokens = direction, page_tokens
+        self.device = kernel_device(src, dst)
+        chosen = select_layers(src, layers)
+        parts = []
+        for name, s in src.buffers.items():
+            if not chosen[name]:
+                continue
+            d = dst.buffers[name]
+            kind = resolve_backend(backend, self.device, direction=direction,
+                                   row_bytes=s.row_bytes, page_tokens=page_tokens)
+            kernel = None
+            if kind == "triton":
+                kernel = kernel_args(s, d, chosen[name], self.device, direction=direction,
+                                     page_tokens=page_tokens)
+            parts.append(BufferCopy(s, d, chosen[name], kind, kernel))
+        self.parts = tuple(parts)
+        self.backends = frozenset(p.backend for p in parts)
+        self.src_rows_limit = next(iter(src.buffers.values())).num_rows
+        self.dst_rows_limit = next(iter(dst.buffers.values())).num_rows
+        self._guard = (torch.cuda.device(self.device) if self.device.type == "cuda"
+                       else contextlib.nullcontext())
+
+    @property
+    def torch_only(self) -> bool:
+        return self.backends <= {"torch"}
+
+    def run(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+            errors: torch.Tensor | None, *, plan: RowPlan | None = None) -> None:
+        """Copy ``src_rows[i] -> dst_rows[i]`` (int32/int64 ``[n]``, on the CPU or the
+        copy's device; ``-1`` skips) in every part, without validation: out-of-range rows
+        are skipped and added to ``errors`` (int32 ``[1]`` on the copy's device, or None).
+        ``plan``: the torch backend's plan of these rows, where the caller made one (then
+        its rows are what the torch parts copy). Runs on the current stream of the copy's
+        device."""
+        if plan is None and src_rows.numel() == 0:
+            return
+        on_device = None
+        counter = errors  # count bad rows in the first buffer's copy only
+        with self._guard:
+            for part in self.parts:
+                if part.backend == "triton":
+                    if on_device is None:
+                        on_device = (src_rows.to(self.device, non_blocking=True).contiguous(),
+                                     dst_rows.to(self.device, non_blocking=True).contiguous())
+                    launch(part.kernel, *on_device, counter)
+                elif part.backend == "two_hop":
+                    copy_rows_two_hop(part.src, part.dst, list(part.layers), src_rows,
+                                      dst_rows, counter, direction=self.direction,
+                                      page_tokens=self.page_tokens)
+                else:
+                    if plan is None:
+                        plan = plan_rows(src_rows, dst_rows, part.src.num_rows,
+                                         part.dst.num_rows, self.page_tokens)
+                    copy_rows_torch(part.src, part.dst, part.layers, None, None, counter,
+                                    plan=plan)
+                counter = None
+
+
+_cache_lock = threading.Lock()
+
+
+def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "auto",
+                  direction: str, page_tokens: int) -> PreparedCopy:
+    """The :class:`PreparedCopy` of these pools, layers and backend (made on first use,
+    then cached). The cache lives with the staging side where there is one (a staging
+    buffer already holds its cache alive), else with the destination; it keeps the
+    :data:`PREPARED_KEPT` most recently used."""
+    layer_key = layers if layers is None or isinstance(layers, int) else tuple(layers)
+    owner, other = (dst, src) if dst.kind == "StagingBuffer" else (src, dst)
+    key = (id(other), owner is src, layer_key, backend, direction, page_tokens)
+    cache: OrderedDict = owner.prepared
+    with _cache_lock:
+        hit = cache.get(key)
+        if hit is not None and (hit.dst is other or hit.src is other):
+            cache.move_to_end(key)
+            return hit
+    prepared = PreparedCopy(src, dst, layers, backend=backend, direction=direction,
+                            page_tokens=page_tokens)
+    with _cache_lock:
+        cache[key] = prepared
+        while len(cache) > PREPARED_KEPT:
+            cache.popitem(last=False)
+    return prepared
