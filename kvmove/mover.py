@@ -16,7 +16,7 @@ from kvmove.copy import gather, kernel_device, resolve_backend, scatter
 from kvmove.describe import Descriptors, check_keys, describe
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.indices import as_index_tensor, check_range, check_unique
-from kvmove.keys import KeySpace
+from kvmove.keys import KeySpace, RawKeys
 from kvmove.staging import StagingBuffer
 from kvmove.status import CHECKSUM_MISMATCH, Status
 from kvmove.transfer import StageTimes, Transfer, TransferResult
@@ -51,7 +51,9 @@ class KVMover:
     outcome. When the staging is full, a call waits up to ``alloc_timeout`` seconds for
     slots, then raises :class:`StagingFull`; pages are never dropped.
 
-    Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``.
+    Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``; with
+    ``raw_keys=True`` they are used exactly as given (keys that another system defines,
+    such as vLLM's connector keys).
 
     With ``checksum=True`` every object carries an 8-byte fingerprint of its bytes, computed
     from the staging after the gather and verified after the get: a page whose bytes do not
@@ -72,6 +74,7 @@ class KVMover:
         alloc_timeout: float | None = 60.0,
         check: bool = True,
         checksum: bool = False,
+        raw_keys: bool = False,
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
@@ -86,7 +89,10 @@ class KVMover:
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
         resolve_backend(backend, self.device)  # validates; "auto" is resolved per copy
         self.backend = backend
-        self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum)
+        if raw_keys and key_prefix:
+            raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
+        self.keyspace = (RawKeys() if raw_keys
+                         else KeySpace(kv, page_tokens, key_prefix, checksum=checksum))
         self.alloc_timeout = alloc_timeout
         self.check = check
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -347,6 +353,8 @@ class KVMover:
                     event.record(self._stream)
                 if layer is not None:
                     transfer._layer_done(layer, event)
+            if event is not None:
+                transfer.scattered = event
             if self._stream is not None:
                 self._stream.synchronize()  # staging slots are freed after this returns
         finally:

@@ -51,6 +51,10 @@ class Transfer:
       returned and this is an already-completed stand-in).
     - ``wait_layer(l)`` (prefetch): returns once layer ``l`` of every OK key is in the KV
       cache (on CUDA: once the engine's current stream has been made to wait for it).
+    - ``scattered`` (prefetch): an event after which every OK key's rows are in the KV
+      cache; valid once ``wait()`` has returned (a ``torch.cuda.Event`` on CUDA,
+      ``scattered.wait()`` orders the current stream after it; on CPU an
+      already-completed stand-in).
     """
 
     def __init__(self, keys: list[str], future: Future, *, kind: str, num_layers: int,
@@ -58,6 +62,7 @@ class Transfer:
         self.keys = keys
         self.kind = kind
         self.gathered = gathered if gathered is not None else CompletedEvent()
+        self.scattered = CompletedEvent()  # the mover records the scatter's event, on CUDA
         self._future = future
         self._layers = [threading.Event() for _ in range(num_layers)]
         self._layer_events: list = [None] * num_layers  # CUDA events, when on CUDA
