@@ -346,6 +346,7 @@ class _WorkerSide:
         self.key_prefix = plan.keys.prefix(self.ranks) + "@"
         self.store = kvmove.MooncakeStore(connector_store_config())
         self.mover: kvmove.KVMover | None = None
+        self.views: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._loads: list[tuple[kvmove.Transfer, list[int]]] = []
         self._saves: list[kvmove.Transfer] = []
@@ -355,6 +356,7 @@ class _WorkerSide:
         layers = set(self.kv_cache_config.kv_cache_groups[0].layer_names)
         named = [(n, t) for n, t in kv_caches.items() if n in layers]
         views, self._layer_index = block_regions(named, self.num_blocks)
+        self.views = views  # uint8 [num_blocks, block_len] per region, vLLM's order
         kv = kvmove.KVCache({"kv": views})
         object_bytes = sum(v.shape[1] for v in views)
         slots = max(1, min(self.num_blocks, self.plan.staging_bytes // object_bytes))
