@@ -130,6 +130,14 @@ def suite_section(name: str, suite: dict) -> list[str]:
                        "parallel torch call pays a wake-up; torch's default (spinning) "
                        "workers make small copies cheaper on both sides")
         out.append("")
+    v = suite.get("vllm")
+    if v:
+        out += [f"vLLM connector save/load of {v['blocks']} blocks of "
+                f"{v['object_bytes'] / 1024:.0f} KiB, kvmove's connector path against vLLM's "
+                "MooncakeStoreConnector path on the same KV tensors:", ""]
+        out += _gbps_table(v["median_GBps"])
+        out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
+                f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x", ""]
     if "median_GBps" in suite:
         what = ", ".join(f"{k} {suite[k]}" for k in ("device", "layers", "page_tokens", "pages")
                          if k in suite)

@@ -6,8 +6,9 @@ bench.report``).
 The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of this
 package, run as ``python -m <module> ... --json PATH`` in a process of their own (their
 results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
-``bench/bench_mover.py`` (mover evict/prefetch end to end) and ``bench/bench_calls.py`` (the
-fixed cost of one call, back to back). A suite whose module is missing
+``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_calls.py`` (the
+fixed cost of one call, back to back) and ``bench/bench_vllm.py`` (vLLM connector save/load
+against vLLM's own Mooncake connector, in ``.venv-vllm``). A suite whose module is missing
 is skipped with a message.
 """
 
@@ -41,7 +42,10 @@ SUITES = {
               []),
     "mover": ("bench.bench_mover", ["--quick"], []),
     "calls": ("bench.bench_calls", ["--quick"], []),
+    "vllm": ("bench.bench_vllm", ["--quick"], []),
 }
+# Suites that run in another environment: name -> its Python (skipped when absent).
+SUITE_PYTHON = {"vllm": Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,12 +101,17 @@ def run_suite(name: str, quick: bool, console: Console) -> dict:
         message = f"{module_name.replace('.', '/')}.py is not there yet"
         console.print(f"[yellow]skipped the {name} suite: {message}[/]")
         return {"skipped": message}
+    python = SUITE_PYTHON.get(name, Path(sys.executable))
+    if not python.exists():
+        message = f"{python} is missing (bash scripts/test_vllm.sh --setup-only sets it up)"
+        console.print(f"[yellow]skipped the {name} suite: {message}[/]")
+        return {"skipped": message}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{name}.json"
         argv = [*(quick_argv if quick else full_argv), "--json", str(path)]
         console.rule(f"{name} suite: python -m {module_name} {shlex.join(argv[:-2])}")
         t0 = time.perf_counter()
-        code = subprocess.run([sys.executable, "-m", module_name, *argv]).returncode
+        code = subprocess.run([str(python), "-m", module_name, *argv]).returncode
         if code != 0:
             log.error("the %s suite failed (exit code %s)", name, code)
             return {"failed": f"exit code {code}"}

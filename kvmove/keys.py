@@ -51,3 +51,18 @@ class KeySpace:
         if not store_key.startswith(head):
             raise ValueError(f"{store_key!r} is not a key of namespace {self.namespace!r}")
         return store_key[len(head):]
+
+
+class RawKeys:
+    """Keys used exactly as given, with no namespace: for objects whose keys another system
+    defines (e.g. vLLM's ``MooncakeStoreConnector`` keys, which encode the model, ranks and
+    block hash themselves). The caller owns the guarantee that one key always names one
+    object format."""
+
+    namespace = ""
+
+    def store_keys(self, keys: list[str]) -> list[str]:
+        return list(keys)
+
+    def engine_key(self, store_key: str) -> str:
+        return store_key

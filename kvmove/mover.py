@@ -16,7 +16,7 @@ from kvmove.cache import KVCache
 from kvmove.checksum import TRAILER_BYTES, PageChecksum
 from kvmove.descriptors import Descriptors, check_keys, check_valid_tokens, describe_trusted
 from kvmove.errors import KVMoveError, StagingFull
-from kvmove.keys import KeySpace
+from kvmove.keys import KeySpace, RawKeys
 from kvmove.rows.indices import as_index_tensor, check_range, check_unique
 from kvmove.rows.moves import copy_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
@@ -75,7 +75,9 @@ class KVMover:
     call time; ``Transfer.gathered`` / ``Transfer.scattered`` / ``Transfer.wait_layer`` order
     the engine after them.
 
-    Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``.
+    Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``; with
+    ``raw_keys=True`` they are used exactly as given (keys that another system defines,
+    such as vLLM's connector keys, which encode the model, ranks and block hash).
 
     With ``checksum=True`` every object carries an 8-byte fingerprint of its bytes, computed
     from the staging after the gather and verified after the get: a page whose bytes do not
@@ -96,6 +98,7 @@ class KVMover:
         alloc_timeout: float | None = 60.0,
         check: bool = True,
         checksum: bool = False,
+        raw_keys: bool = False,
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
@@ -110,7 +113,10 @@ class KVMover:
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
         resolve_backend(backend, self.device)  # validates; "auto" is resolved per buffer
         self.backend = backend
-        self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum)
+        if raw_keys and key_prefix:
+            raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
+        self.keyspace = (RawKeys() if raw_keys
+                         else KeySpace(kv, page_tokens, key_prefix, checksum=checksum))
         self.alloc_timeout = alloc_timeout
         self.check = check
         cuda = self.device.type == "cuda"

@@ -1,0 +1,205 @@
+"""Save and load of the same vLLM KV blocks: kvmove's vLLM connector path against vLLM's own
+``MooncakeStoreConnector`` path, in the same run, on the same KV tensors and store.
+
+- kvmove: the connector's worker path: the KV cache as ``block_regions`` views, a
+  ``KVMover`` with raw (vLLM) keys; save = one gather of the blocks into staging + put,
+  load = get + scatter into the blocks (whole-cache, and layer by layer).
+- vLLM: its worker's data path: ``RankLocalStoreLayout.prepare_values`` descriptors straight
+  into the registered KV cache, ``batch_is_exist`` + ``batch_put_from_multi_buffers`` on save,
+  ``batch_get_into_multi_buffers`` on load (zero copy), as its send/receive threads do.
+
+Both talk to one embedded master through one Mooncake client, over loopback TCP. Needs the
+vLLM environment (``bash scripts/test_vllm.sh --setup-only``)::
+
+    .venv-vllm/bin/python -m bench.bench_vllm [--quick] [--json PATH]
+
+Figures are medians of interleaved repeats (kvmove and vLLM alternate within each repeat);
+every repeat checks the loaded bytes against the saved ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import platform
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+import kvmove
+from bench import results
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def llama_like_cache(layers: int, blocks: int, heads: int, block_size: int,
+                     head_dim: int) -> list[torch.Tensor]:
+    """vLLM's CPU layout (LBHNC): per layer ``[blocks, heads, block_size, 2 * head_dim]``
+    bf16 (K and V together), all layers views into one storage."""
+    full = torch.empty(layers, blocks, heads, block_size, 2 * head_dim, dtype=torch.bfloat16)
+    full.view(torch.int16).random_(-(1 << 15), 1 << 15)
+    return [full[i] for i in range(layers)]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench(args) -> dict:
+    from mooncake.store import ReplicateConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        KeyMetadata,
+        RankLocalStoreLayout,
+    )
+
+    from kvmove.integrations.vllm_keys import RankNamespace, VLLMKeyFormat
+    from kvmove.integrations.vllm_layout import block_regions
+
+    n, bs = args.blocks, args.block_size
+    num_blocks = 2 * n + 1
+    src = llama_like_cache(args.layers, num_blocks, args.heads, bs, args.head_dim)
+    storage = src[0].untyped_storage()
+    save_ids = list(range(2 * n - 1, 0, -2))[:n]  # scattered, descending (as vLLM hands out)
+    load_ids = [b - 1 for b in save_ids]
+    object_bytes = sum(t[0].numel() * t.element_size() for t in src)
+    total = n * object_bytes
+    fmt, ns = VLLMKeyFormat("bench-llama"), RankNamespace()
+
+    vllm = RankLocalStoreLayout(KeyMetadata("bench-llama", 0, 0, 0, 0), bs, bs)
+    vllm.register_kv_caches(src, num_blocks)
+    chunks = [(i * bs, (i + 1) * bs) for i in range(n)]
+    rows: dict[str, list[float]] = {"kvmove save": [], "vLLM save": [], "kvmove load": [],
+                                    "kvmove load (layer-wise)": [], "vLLM load": []}
+    segment = max(1 << 30, 4 * total * args.repeat + (256 << 20))
+    with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
+        views, _ = block_regions([(f"l{i}", t) for i, t in enumerate(src)], num_blocks)
+        mover = kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
+                               staging_slots=n, raw_keys=True)
+        client = store._client  # vLLM's path talks to the same Mooncake client
+        store.register([(storage.data_ptr(), storage.nbytes())])
+        replicate = ReplicateConfig()
+        save_pages = torch.tensor(save_ids).unsqueeze(1)
+        load_pages = torch.tensor(load_ids).unsqueeze(1)
+
+        def keys(tag: str) -> list[str]:
+            salt = uuid.uuid4().bytes
+            return fmt.keys(ns, [hashlib.sha256(salt + tag.encode() + bytes([i % 256, i // 256]))
+                                 .digest() for i in range(n)])
+
+        def check_loaded() -> None:
+            for t in src:
+                assert torch.equal(t[load_ids], t[save_ids]), "loaded bytes differ"
+                t[load_ids] = 0
+
+        def vllm_save(k):
+            exists = client.batch_is_exist(k)
+            todo = [i for i, e in enumerate(exists) if e != 1]
+            addrs, sizes, _ = vllm.prepare_values([chunks[i] for i in todo],
+                                                  [save_ids[i] for i in todo], [0] * len(todo))
+            res = client.batch_put_from_multi_buffers([k[i] for i in todo], addrs, sizes,
+                                                      replicate)
+            assert all(r == 0 for r in res), res[:4]
+
+        def vllm_load(k):
+            addrs, sizes, _ = vllm.prepare_values(chunks, load_ids, [0] * n)
+            res = client.batch_get_into_multi_buffers(k, addrs, sizes)
+            assert res == [object_bytes] * n, res[:4]
+
+        def kvmove_save(k):
+            assert mover.evict(k, save_pages).wait() == [kvmove.Status.OK] * n
+
+        def kvmove_load(k, layerwise):
+            t = mover.prefetch(k, load_pages, layerwise=layerwise)
+            if layerwise:
+                for layer in range(args.layers):
+                    t.wait_layer(layer)
+            assert t.wait() == [kvmove.Status.OK] * n
+
+        for t in src:
+            t[load_ids] = 0
+        for r in range(args.warmup + args.repeat):
+            kk, kv_ = keys("kvmove"), keys("vllm")
+            order = [("kvmove", kk), ("vLLM", kv_)] if r % 2 == 0 else [("vLLM", kv_),
+                                                                        ("kvmove", kk)]
+            times = {}
+            for who, k in order:
+                times[f"{who} save"] = _timed(lambda k=k, who=who: (
+                    kvmove_save(k) if who == "kvmove" else vllm_save(k)))
+            for who, k in order:
+                times[f"{who} load"] = _timed(lambda k=k, who=who: (
+                    kvmove_load(k, False) if who == "kvmove" else vllm_load(k)))
+                check_loaded()
+            times["kvmove load (layer-wise)"] = _timed(lambda kk=kk: kvmove_load(kk, True))
+            check_loaded()
+            # vLLM's own objects load through kvmove and the reverse: same bytes.
+            kvmove_load(kv_, False)
+            check_loaded()
+            vllm_load(kk)
+            check_loaded()
+            store.remove(kk + kv_, force=True)
+            if r >= args.warmup:
+                for name, s in times.items():
+                    rows[name].append(s)
+        mover.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "blocks": n, "layers": args.layers, "heads": args.heads, "block_size": bs,
+        "head_dim": args.head_dim, "object_bytes": object_bytes, "total_bytes": total,
+        "repeats": args.repeat, "median_s": med,
+        "median_GBps": {k: total / v / 1e9 for k, v in med.items()},
+        "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
+        "save_ratio": med["vLLM save"] / med["kvmove save"],
+        "load_ratio": med["vLLM load"] / med["kvmove load"],
+    }
+
+
+def report(result: dict, console) -> None:
+    s = result["vllm"]
+    table = Table(title=f"vLLM connector save/load: {s['blocks']} blocks of "
+                        f"{s['object_bytes'] / 1024:.0f} KiB ({s['layers']} layers x "
+                        f"{s['heads']} heads x {s['block_size']} tokens x {s['head_dim']} dim, "
+                        f"bf16), loopback TCP, median of {s['repeats']}")
+    for col in ("path", "median ms", "GB/s", "spread"):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    for k, v in s["median_s"].items():
+        table.add_row(k, f"{v * 1e3:.2f}", f"{s['median_GBps'][k]:.2f}",
+                      f"{s['spread'][k] * 100:.0f}%")
+    console.print(table)
+    console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
+                  f"{s['save_ratio']:.2f}x, load {s['load_ratio']:.2f}x")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=256, help="blocks per save/load")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=8, help="KV heads")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="64 blocks, 5 repeats")
+    p.add_argument("--json", nargs="?", const=str(RESULTS / "bench_vllm.json"), default=None,
+                   metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.blocks, args.repeat = 64, 5
+    result = {
+        "benchmark": "bench_vllm", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                    "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "command": " ".join(["python -m bench.bench_vllm", *(argv or sys.argv[1:])]),
+        "vllm": bench(args),
+    }
+    return results.finish_suite(result, report, Path(args.json) if args.json else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""A test double of kvmove's connector that injects one fault into loads, chosen by the JSON
+file ``$KVMOVE_TEST_FAULTS`` (read at every load): ``{"mode": "none" | "zeros" | "remove" |
+"kill"}``. ``zeros`` writes zeros over the loaded blocks (a wrong connector: the outputs must
+change); ``remove`` deletes the last block's object of every load from the store before the
+get (a missing object); ``kill`` kills the Mooncake master (pid ``$KVMOVE_TEST_MASTER_PID``)
+before the get. Load errors are appended to ``$KVMOVE_TEST_EVENTS`` as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from kvmove.integrations.vllm import KVMoveConnector
+
+
+def _mode() -> str:
+    with open(os.environ["KVMOVE_TEST_FAULTS"]) as f:
+        return json.load(f)["mode"]
+
+
+def _event(**fields) -> None:
+    with open(os.environ["KVMOVE_TEST_EVENTS"], "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+class FaultyKVMoveConnector(KVMoveConnector):
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if not meta.loads:
+            return
+        side = self._side
+        mode = _mode()
+        keys = [side.key_prefix + t.keys[-1] for t in meta.loads]
+        if mode == "remove":
+            side.store.remove(keys, force=True)
+        elif mode == "kill":
+            os.kill(int(os.environ["KVMOVE_TEST_MASTER_PID"]), signal.SIGKILL)
+        super().start_load_kv(forward_context, **kwargs)
+        if mode == "zeros":  # this engine loads whole-cache: the load has ended here
+            ids = [b for t in meta.loads for b in t.block_ids]
+            for view in side.views:
+                view[ids] = 0
+        _event(mode=mode, blocks=sum(len(t.block_ids) for t in meta.loads))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = super().get_block_ids_with_load_errors()
+        if errors:
+            _event(mode=_mode(), load_errors=len(errors))
+        return errors

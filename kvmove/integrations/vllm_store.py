@@ -1,0 +1,60 @@
+"""Where the vLLM connector's Mooncake store is: the JSON file vLLM's own Mooncake connectors
+read (``MOONCAKE_CONFIG_PATH``), else kvmove's ``MOONCAKE_*`` variables. No vLLM import."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from kvmove.store_config import DEFAULT_GLOBAL_SEGMENT_SIZE, StoreConfig, parse_size
+
+# vLLM's defaults for fields its JSON leaves out (vllm/distributed/mooncake_store.py).
+_VLLM_DEFAULT_PROTOCOL = "rdma"
+_VLLM_DEFAULT_LOCAL_BUFFER_SIZE = 4 << 30
+
+
+def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) -> StoreConfig:
+    """A :class:`StoreConfig` from vLLM's Mooncake JSON (``master_server_address``,
+    ``metadata_server``, ``protocol``, ``device_name``, ``mode``, ``global_segment_size``,
+    ``local_buffer_size``). ``MOONCAKE_LOCAL_HOSTNAME`` names the address other clients reach
+    this one at (default ``localhost``)."""
+    env = os.environ if environ is None else environ
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: cannot read a JSON object: {e}") \
+            from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: expected a JSON object")
+    if not raw.get("master_server_address"):
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: 'master_server_address' is missing")
+    tenant = raw.get("tenant_id")
+    if tenant not in (None, "", "default"):
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: tenant_id={tenant!r} is not "
+                         f"supported by kvmove's connector; leave it unset")
+    mode = raw.get("mode", "embedded")
+    if mode not in ("embedded", "standalone-store"):
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: unknown mode {mode!r}")
+    segment = (0 if mode == "standalone-store"
+               else raw.get("global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE))
+    return StoreConfig(
+        master_address=raw["master_server_address"],
+        metadata_server=raw.get("metadata_server") or "P2PHANDSHAKE",
+        protocol=raw.get("protocol", _VLLM_DEFAULT_PROTOCOL),
+        rdma_devices=raw.get("device_name", ""),
+        global_segment_size=parse_size(segment, "global_segment_size"),
+        local_buffer_size=parse_size(
+            raw.get("local_buffer_size", _VLLM_DEFAULT_LOCAL_BUFFER_SIZE), "local_buffer_size"),
+        local_hostname=env.get("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
+    )
+
+
+def connector_store_config(environ: Mapping[str, str] | None = None) -> StoreConfig:
+    """``MOONCAKE_CONFIG_PATH``'s file when set, else kvmove's ``MOONCAKE_*`` variables."""
+    env = os.environ if environ is None else environ
+    path = env.get("MOONCAKE_CONFIG_PATH")
+    if path:
+        return store_config_from_file(path, env)
+    return StoreConfig.from_env(env)
