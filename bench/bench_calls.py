@@ -5,6 +5,11 @@ torch backend makes (:func:`bench.baselines.primitive_units`, or the plain row p
 where pages are single tokens); on a GPU one launch of the same Triton kernel through its
 launcher. The difference is what kvmove's checks, planning and dispatch cost per call.
 
+The same run measures the figures of an engine's decode step
+(:mod:`bench.bench_hot_path`): one-page gather/scatter against the plain ops, the return time
+of ``KVMover.prefetch``, layer-wise against whole-cache prefetch, and a CPU gather with every
+core busy against a per-row ``memmove`` loop.
+
     python -m bench.bench_calls                  # table
     python -m bench.bench_calls --json out.json  # and the figures as JSON
 """
@@ -25,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kvmove
-from bench import baselines, results
+from bench import baselines, bench_hot_path, results
 from bench.cases import Case
 from bench.workload import Workload
 
@@ -163,6 +168,7 @@ def run(args) -> dict:
         "plain": "one launch of the kernel, arguments prepared" if device.type == "cuda"
         else "the torch primitive calls of the torch backend, made plainly",
         "calls": cases, "median_added_us": added,
+        "hot_path": bench_hot_path.run(args.repeat, device),
     }
 
 
@@ -179,6 +185,7 @@ def report(result: dict, console: Console) -> None:
     console.print(table)
     for what, us in result["median_added_us"].items():
         console.print(f"{what.replace('_', ' ')}: kvmove adds {us:.1f} µs per call (median)")
+    bench_hot_path.report(result["hot_path"], console)
 
 
 def main(argv=None) -> int:

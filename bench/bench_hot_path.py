@@ -10,65 +10,61 @@
   against a Python loop of one ``memmove`` per row under the same load; target at least 3x.
 
 Every figure is a median of interleaved repeats; targets are goals, never test assertions.
-
-    python -m bench.bench_hot_path [--quick] [--json out.json]
+Part of ``python -m bench.bench_calls``.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import kvmove
-from bench import results
 
+CPU = torch.device("cpu")
 TARGETS = {"one_page_gather": 1.5, "one_page_scatter": 1.5, "prefetch_return_us": 100.0,
            "layerwise_over_whole": 1.2, "busy_gather_over_memmove_loop": 3.0}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_hot_path", description=__doc__)
-    p.add_argument("--repeat", type=int, default=9, help="interleaved repeats per figure")
-    p.add_argument("--quick", action="store_true", help="fewer repeats")
-    p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    return p
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def median_us(fns: dict[str, Callable[[], object]], *, repeat: int, calls: int) -> dict:
-    """Median µs per call of each function: ``calls`` back-to-back calls per sample, the
-    functions interleaved sample by sample."""
+def median_us(fns: dict[str, Callable[[], object]], *, repeat: int, calls: int,
+              device: torch.device = CPU) -> dict:
+    """Median µs per call of each function: ``calls`` back-to-back calls per sample (and the
+    device drained), the functions interleaved sample by sample."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(repeat):
         for name, fn in fns.items():
+            _sync(device)
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            _sync(device)
             samples[name].append((time.perf_counter() - t0) / calls * 1e6)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def one_page(repeat: int) -> dict:
+def one_page(repeat: int, device: torch.device = CPU) -> dict:
     """A one-page gather and scatter (8 layers, 16 tokens of 656 B) against the plain
-    per-layer torch ops on the same rows."""
+    per-layer torch ops on the same rows (on a GPU: into the same pinned staging)."""
     layers, tokens, row_bytes, slot = 8, 16, 656, 5
     kv = kvmove.KVCache({"kv": torch.randint(0, 256, (layers, 4096, row_bytes),
-                                             dtype=torch.uint8)})
+                                             dtype=torch.uint8, device=device)})
     staging = kvmove.StagingBuffer(kv, num_slots=64, page_tokens=tokens)
-    token_pages = (torch.arange(tokens) + 37 * tokens).reshape(1, tokens)
+    token_pages = (torch.arange(tokens, device=device) + 37 * tokens).reshape(1, tokens)
     slots = torch.tensor([slot])
     rows = token_pages.reshape(-1)
     kv_layers = [kv.layer("kv", i) for i in range(layers)]
@@ -77,30 +73,40 @@ def one_page(repeat: int) -> dict:
 
     def plain_gather():
         for i in range(layers):
-            torch.index_select(kv_layers[i], 0, rows, out=staged[i])
+            staged[i].copy_(kv_layers[i].index_select(0, rows), non_blocking=True)
 
     def plain_scatter():
         for i in range(layers):
-            kv_layers[i].index_copy_(0, rows, staged[i])
+            kv_layers[i].index_copy_(0, rows, staged[i].to(device, non_blocking=True))
+
+    if device.type == "cpu":  # straight into the staging rows
+        def plain_gather():
+            for i in range(layers):
+                torch.index_select(kv_layers[i], 0, rows, out=staged[i])
+
+        def plain_scatter():
+            for i in range(layers):
+                kv_layers[i].index_copy_(0, rows, staged[i])
 
     us = median_us({
         "gather": lambda: kvmove.gather(kv, staging, token_pages, slots),
         "plain gather": plain_gather,
         "scatter": lambda: kvmove.scatter(staging, slots, kv, token_pages),
         "plain scatter": plain_scatter,
-    }, repeat=repeat, calls=200)
+    }, repeat=repeat, calls=200, device=device)
     staging.close()
-    return {"layers": layers, "page_tokens": tokens, "row_bytes": row_bytes, "us": us,
+    return {"device": str(device), "layers": layers, "page_tokens": tokens,
+            "row_bytes": row_bytes, "us": us,
             "one_page_gather": us["gather"] / us["plain gather"],
             "one_page_scatter": us["scatter"] / us["plain scatter"]}
 
 
-def prefetches(store, repeat: int) -> dict:
+def prefetches(store, repeat: int, device: torch.device = CPU) -> dict:
     """32 keys of one-token pages x 61 layers: how long ``prefetch`` takes to return, and a
     layer-wise prefetch to the end against a whole-cache one."""
     layers, keys_n, row_bytes = 61, 32, 656
     kv = kvmove.KVCache({"kv": torch.randint(0, 256, (layers, 1024, row_bytes),
-                                             dtype=torch.uint8)})
+                                             dtype=torch.uint8, device=device)})
     with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=64, key_prefix="hot") as mover:
         keys = [f"hot-{os.getpid()}-{i}" for i in range(keys_n)]
         assert mover.evict(keys, torch.arange(keys_n).reshape(-1, 1)).wait(60) == [
@@ -113,12 +119,13 @@ def prefetches(store, repeat: int) -> dict:
                 t = mover.prefetch(keys, dest, layerwise=mode == "layerwise")
                 returned = time.perf_counter() - t0
                 statuses = t.wait(60)
+                t.scattered.synchronize()
                 done = time.perf_counter() - t0
                 assert statuses == [kvmove.Status.OK] * keys_n, statuses
                 returns.append(returned * 1e6)
                 (whole if mode == "whole" else layerwise).append(done * 1e6)
         mover.store.remove(mover.keyspace.store_keys(keys), force=True)
-    return {"layers": layers, "keys": keys_n, "row_bytes": row_bytes,
+    return {"device": str(device), "layers": layers, "keys": keys_n, "row_bytes": row_bytes,
             "prefetch_return_us": statistics.median(returns),
             "whole_us": statistics.median(whole), "layerwise_us": statistics.median(layerwise),
             "layerwise_over_whole": statistics.median(layerwise) / statistics.median(whole)}
@@ -165,19 +172,20 @@ def busy_gather(repeat: int) -> dict:
             "busy_gather_over_memmove_loop": us["memmove loop"] / us["gather"]}
 
 
-def run(args) -> dict:
-    repeat = min(args.repeat, 5) if args.quick else args.repeat
-    out = {"one_page": one_page(repeat)}
+def run(repeat: int, device: torch.device = CPU) -> dict:
+    """Every figure of the hot path on ``device`` (the busy-machine gather on the CPU only)."""
+    out = {"one_page": one_page(repeat, device)}
     with kvmove.MooncakeStore.embedded() as store:
-        out["prefetch"] = prefetches(store, repeat)
-    out["busy"] = busy_gather(repeat)
-    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        out["prefetch"] = prefetches(store, repeat, device)
     figures = {**{k: out["one_page"][k] for k in ("one_page_gather", "one_page_scatter")},
-               **{k: out["prefetch"][k] for k in ("prefetch_return_us", "layerwise_over_whole")},
-               "busy_gather_over_memmove_loop": out["busy"]["busy_gather_over_memmove_loop"]}
-    out["hot_path"] = {k: {"value": v, "target": TARGETS[k],
-                           "met": v >= TARGETS[k] if k.startswith("busy") else v <= TARGETS[k]}
-                       for k, v in figures.items()}
+               **{k: out["prefetch"][k] for k in ("prefetch_return_us", "layerwise_over_whole")}}
+    if device.type == "cpu":
+        out["busy"] = busy_gather(repeat)
+        figures["busy_gather_over_memmove_loop"] = out["busy"]["busy_gather_over_memmove_loop"]
+    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    out["targets"] = {k: {"value": v, "target": TARGETS[k],
+                          "met": v >= TARGETS[k] if k.startswith("busy") else v <= TARGETS[k]}
+                      for k, v in figures.items()}
     return out
 
 
@@ -185,18 +193,7 @@ def report(result: dict, console: Console) -> None:
     table = Table(title="the hot path (medians of interleaved repeats)")
     for col in ("figure", "value", "target", "met"):
         table.add_column(col, justify="left" if col == "figure" else "right")
-    for name, f in result["hot_path"].items():
+    for name, f in result["targets"].items():
         table.add_row(name.replace("_", " "), f"{f['value']:.2f}", f"{f['target']:g}",
                       "yes" if f["met"] else "no")
     console.print(table)
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    result = {"command": shlex.join(["python", "-m", "bench.bench_hot_path",
-                                     *(sys.argv[1:] if argv is None else argv)]), **run(args)}
-    return results.finish_suite(result, report, args.json)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

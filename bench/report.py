@@ -125,6 +125,17 @@ def suite_section(name: str, suite: dict) -> list[str]:
                 f"| {c['kvmove_unchecked_us']:.0f} | {c['plain_us']:.0f} |" for c in suite["calls"]]
         out += ["", *(f"- {what.replace('_', ' ')}: kvmove adds {us:.0f} µs per call (median)"
                       for what, us in suite["median_added_us"].items())]
+        hot = suite.get("hot_path")
+        if hot:
+            out += ["", "The hot path of a decode step (targets are goals, not test assertions):",
+                    "", "| figure | value | target | met |", "|---|---:|---:|---|"]
+            out += [f"| {_HOT_NAMES.get(k, k)} | {f['value']:.2f} | {f['target']:g} | "
+                    f"{'yes' if f['met'] else 'no'} |" for k, f in hot["targets"].items()]
+            if "busy" in hot:
+                b = hot["busy"]
+                out.append(f"- with {b['busy_processes']} busy processes: gather "
+                           f"{b['gather_GBps']:.2f} GB/s, per-row memmove loop "
+                           f"{b['memmove_loop_GBps']:.2f} GB/s")
         if suite["device"] == "cpu" and suite.get("omp_wait_policy") == "PASSIVE":
             out.append("- with OpenMP threads waiting passively (as in this run), every "
                        "parallel torch call pays a wake-up; torch's default (spinning) "
@@ -145,6 +156,14 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += [f"- {k}: {v:.2f}x" for k, v in suite.get("ratios", {}).items()] + [""]
     return out
 
+
+_HOT_NAMES = {
+    "one_page_gather": "one-page gather / plain per-layer index_select (x)",
+    "one_page_scatter": "one-page scatter / plain per-layer index_copy_ (x)",
+    "prefetch_return_us": "KVMover.prefetch returns, 32 keys x 61 layers (µs)",
+    "layerwise_over_whole": "layer-wise / whole-cache prefetch, same keys (x)",
+    "busy_gather_over_memmove_loop": "gather / per-row memmove loop, every core busy (x)",
+}
 
 BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
 

@@ -18,7 +18,7 @@ from kvmove.descriptors import Descriptors, check_keys, check_valid_tokens, desc
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.keys import KeySpace, RawKeys
 from kvmove.rows.indices import as_index_tensor, check_range, check_unique
-from kvmove.rows.moves import copy_pages
+from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
 from kvmove.staging import StagingBuffer
 from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
@@ -442,8 +442,9 @@ class KVMover:
                     mask = mask & ~piece.bad
                 pages = torch.where(mask[:, None], pages, -1)
             event = None
+            plan = plan_pages(self._scatter_all, pages, slots)  # one plan for every layer
             for prepared in (self._scatter_layer if layerwise else (self._scatter_all,)):
-                copy_pages(prepared, pages, slots, None)
+                run_pages(prepared, plan, None)
                 if stream is not None:
                     event = torch.cuda.Event()
                     event.record(stream)

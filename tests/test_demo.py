@@ -25,8 +25,8 @@ def test_demo_command_verifies_and_exits_0():
 
 def test_demo_fails_when_prefetched_bytes_are_wrong(monkeypatch, capsys):
     # A scatter that writes nothing leaves the scribbled rows: verification must catch it.
-    real_copy = mover_module.copy_pages
-    monkeypatch.setattr(mover_module, "copy_pages", lambda prepared, *a: None
+    real_copy = mover_module.run_pages
+    monkeypatch.setattr(mover_module, "run_pages", lambda prepared, *a: None
                         if prepared.direction == "scatter" else real_copy(prepared, *a))
     assert demo.main(SMALL) == 1
     out = capsys.readouterr().out

@@ -150,14 +150,14 @@ def test_layerwise_prefetch_makes_layer_0_available_before_the_call_ends(
     want = snapshot(kv)
     assert mover.evict(keys, src).wait(30) == [kvmove.Status.OK] * 2
     release = threading.Event()
-    real_copy = mover_module.copy_pages
+    real_copy = mover_module.run_pages
 
     def slow_copy(prepared, *args):
         if prepared is mover._scatter_layer[1]:  # a slow consumer: layer 1 waits for the test
             assert release.wait(30)
         return real_copy(prepared, *args)
 
-    monkeypatch.setattr(mover_module, "copy_pages", slow_copy)
+    monkeypatch.setattr(mover_module, "run_pages", slow_copy)
     t = mover.prefetch(keys, torch.tensor([[16, 17, 18, 19], [20, 21, 22, 23]]),
                        layerwise=True)
     t.wait_layer(0, timeout=30)
@@ -355,14 +355,14 @@ def test_scattered_marks_the_end_of_a_prefetch_on_the_cpu(make_mover, keyspace, 
     assert mover.evict(keys, torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])).wait(30) == [
         kvmove.Status.OK] * 2
     release = threading.Event()
-    real_copy = mover_module.copy_pages
+    real_copy = mover_module.run_pages
 
     def slow_copy(prepared, *args):
         if prepared.direction == "scatter":
             assert release.wait(30)
         return real_copy(prepared, *args)
 
-    monkeypatch.setattr(mover_module, "copy_pages", slow_copy)
+    monkeypatch.setattr(mover_module, "run_pages", slow_copy)
     t = mover.prefetch(keys, torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]]))
     assert not t.scattered.query()
     release.set()

@@ -10,6 +10,8 @@ counter, and duplicate destinations are not detected.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvmove.cache import KVCache
@@ -20,7 +22,7 @@ from kvmove.rows.indices import (
     check_unique,
     page_rows,
 )
-from kvmove.rows.plan import plan_whole_pages
+from kvmove.rows.plan import RowPlan, plan_whole_pages
 from kvmove.rows.pool import RowPool
 from kvmove.rows.prepared import PreparedCopy, kernel_device, prepared_copy
 from kvmove.staging import StagingBuffer
@@ -55,14 +57,24 @@ def error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Te
     return errors
 
 
-def copy_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor,
-               errors: torch.Tensor | None, *, check: bool = False) -> None:
-    """The gather (``prepared.direction == "gather"``: KV -> staging) or scatter of whole
-    pages: ``token_pages`` ``[n, page_tokens]`` KV rows, ``slots`` ``[n]`` staging slots,
-    ``-1`` skips. Unchecked by default: out-of-range rows are skipped and counted in
-    ``errors``. ``check=True`` runs the checks of :func:`check_pages` first (as part of the
-    planning: a plan of whole pages has every row in range already). On the CPU with the
-    torch backend, pages that are all whole move without row lists."""
+@dataclass(frozen=True)
+class PagePlan:
+    """What a gather or scatter of pages copies, worked out once: the row indices on the
+    side that runs the copy, and the torch backend's plan where it has one. One plan serves
+    every layer set of the same two pools (a layer-wise prefetch plans once)."""
+
+    src_rows: torch.Tensor
+    dst_rows: torch.Tensor
+    plan: RowPlan | None = None
+
+
+def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor, *,
+               check: bool = False) -> PagePlan:
+    """The :class:`PagePlan` of a gather (``prepared.direction == "gather"``: KV -> staging)
+    or scatter of whole pages: ``token_pages`` ``[n, page_tokens]`` KV rows, ``slots`` ``[n]``
+    staging slots, ``-1`` skips. ``check=True`` runs the checks of :func:`check_pages`
+    (as part of the planning: a plan of whole pages has every row in range already). On
+    the CPU with the torch backend, pages that are all whole move without row lists."""
     gathering = prepared.direction == "gather"
     kv_rows, staging_rows = ((prepared.src_rows_limit, prepared.dst_rows_limit) if gathering
                              else (prepared.dst_rows_limit, prepared.src_rows_limit))
@@ -73,16 +85,26 @@ def copy_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
             if check:
                 check_unique(plan.pages[1], "slots" if gathering else "token_pages",
                              page_tokens=1 if gathering else prepared.page_tokens)
-            prepared.run(token_pages, token_pages, errors, plan=plan)  # rows from the plan
-            return
+            return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan
     if check:
         check_pages(token_pages, slots, kv_rows, num_slots, gathering=gathering)
-    staging_rows = page_rows(slots, prepared.page_tokens)
-    kv = token_pages.reshape(-1)
-    if gathering:
-        prepared.run(kv, staging_rows, errors)
-    else:
-        prepared.run(staging_rows, kv, errors)
+    kv, staged = token_pages.reshape(-1), page_rows(slots, prepared.page_tokens)
+    if "triton" in prepared.backends:  # the kernel reads them on its device: move them once
+        kv = kv.to(prepared.device, non_blocking=True)
+        staged = staged.to(prepared.device, non_blocking=True)
+    return PagePlan(kv, staged) if gathering else PagePlan(staged, kv)
+
+
+def run_pages(prepared: PreparedCopy, plan: PagePlan, errors: torch.Tensor | None) -> None:
+    """Run a planned gather or scatter (unchecked: out-of-range rows are skipped and counted
+    in ``errors``)."""
+    prepared.run(plan.src_rows, plan.dst_rows, errors, plan=plan.plan)
+
+
+def copy_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor,
+               errors: torch.Tensor | None, *, check: bool = False) -> None:
+    """:func:`plan_pages` then :func:`run_pages`."""
+    run_pages(prepared, plan_pages(prepared, token_pages, slots, check=check), errors)
 
 
 def copy_rows(

@@ -19,6 +19,8 @@ import torch
 # Pages move in units of at most this many bytes: torch's CPU index_select leaves its
 # memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
 UNIT_BYTES = 16 << 10
+# Up to this many rows, whole pages are recognised with Python lists (fewer fixed costs).
+SMALL_ROWS = 256
 
 
 def _as_numpy(rows: torch.Tensor) -> np.ndarray:
@@ -176,16 +178,24 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     if n == 0 or kv_pages.device.type != "cpu" or slots.device.type != "cpu":
         return None
     kv = kv_pages.numpy()
-    pages = (kv[:, 0] // page_tokens).astype(np.int64, copy=False)  # a new array
-    if page_tokens > 1 and not bool((kv == (pages * page_tokens)[:, None]
-                                     + _steps(page_tokens)).all()):
-        return None  # some page is not an aligned run (or holds -1)
-    st = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
-    # Pages are aligned runs now: their numbers bound every row. A negative number is a
-    # huge one unsigned, so one max per side checks both ends of the range.
-    if int(pages.view(np.uint64).max()) > (kv_rows - page_tokens) // page_tokens \
-            or int(st.view(np.uint64).max()) >= num_slots:
-        return None
+    largest_page = (kv_rows - page_tokens) // page_tokens
+    if kv.size <= SMALL_ROWS:  # a few pages: Python's lists cost less than numpy's calls
+        found = _small_whole_pages(kv.tolist(), slots.tolist(), page_tokens, largest_page,
+                                   num_slots)
+        if found is None:
+            return None
+        pages, st = (np.array(x, dtype=np.int64) for x in found)
+    else:
+        pages = (kv[:, 0] // page_tokens).astype(np.int64, copy=False)  # a new array
+        if page_tokens > 1 and not bool((kv == (pages * page_tokens)[:, None]
+                                         + _steps(page_tokens)).all()):
+            return None  # some page is not an aligned run (or holds -1)
+        st = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
+        # Pages are aligned runs now: their numbers bound every row. A negative number is a
+        # huge one unsigned, so one max per side checks both ends of the range.
+        if int(pages.view(np.uint64).max()) > largest_page \
+                or int(st.view(np.uint64).max()) >= num_slots:
+            return None
 
     def rows() -> Part:
         kv_flat = pages if page_tokens == 1 else np.asarray(kv.reshape(-1), dtype=np.int64)
@@ -194,6 +204,23 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         return Part(kv_flat, st_flat) if kv_is_src else Part(st_flat, kv_flat)
 
     return RowPlan(page_tokens, 0, (pages, st) if kv_is_src else (st, pages), True, rows, rows)
+
+
+def _small_whole_pages(rows: list[list[int]], slots: list[int], page_tokens: int,
+                       largest_page: int, num_slots: int) -> tuple[list, list] | None:
+    """:func:`plan_whole_pages`'s test on a few pages, in Python: the page numbers and slots
+    where every page is an aligned run in range and every slot in range, else None."""
+    pages = []
+    for row in rows:
+        first = row[0]
+        page, offset = divmod(first, page_tokens)
+        if offset or not 0 <= page <= largest_page or (
+                page_tokens > 1 and row != list(range(first, first + page_tokens))):
+            return None
+        pages.append(page)
+    if not all(0 <= s < num_slots for s in slots):
+        return None
+    return pages, slots
 
 
 @functools.lru_cache(maxsize=64)
