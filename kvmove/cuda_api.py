@@ -143,7 +143,11 @@ def _batch() -> _Batch | None:
     drv = _driver()
     if drv is None or not hasattr(drv, "cuMemcpyBatchAsync"):
         return None
-    err, version = drv.cuDriverGetVersion()
+    try:
+        err, version = drv.cuDriverGetVersion()
+    except Exception as e:  # no driver library at all
+        log.info("cuDriverGetVersion failed (%s); no batched copies", e)
+        return None
     if int(err) != 0 or version < BATCH_MIN_DRIVER:
         log.info("the CUDA driver (%s) predates cuMemcpyBatchAsync; no batched copies", version)
         return None
