@@ -135,14 +135,12 @@ def _spans(w: Workload, case: Case, per: str, max_calls: int):
 
 def _memcpy_loop(w: Workload, dst: list[int], src: list[int], size: int) -> Callable[[], None]:
     if w.device.type == "cuda":
-        from kvmove.rows.copy_engine import cuda_copier
-
-        copy = cuda_copier().memcpy_async
+        from kvmove.cuda_api import memcpy_async as copy
 
         def run() -> None:
             stream = torch.cuda.current_stream(w.device).cuda_stream
             for d, s in zip(dst, src, strict=True):
-                copy(d, s, size, 4, stream)  # cudaMemcpyDefault
+                copy(d, s, size, stream)  # cudaMemcpyDefault
 
         return run
     sizes = [size] * len(dst)

@@ -74,6 +74,19 @@ def _copy_rows_kernel(
             tl.store(dst_base + dst_start[:, None] + cols[None, :], v, mask=mask)
 
 
+def launch_constants(row_bytes: int, src_pitch: int, dst_pitch: int, base_alignment: int,
+                     config: LaunchConfig) -> dict:
+    """The compile-time constants of a launch (all but ``COUNT_ERRORS``): the widest
+    aligned access (``ALIGN`` bytes, ``VEC`` words of ``WORD``), ``ROWS`` and ``BLOCK``."""
+    align = pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
+    word = min(align, 4)
+    vec = align // word
+    block = max(triton.next_power_of_2(config.block_bytes // word), vec)
+    block = min(block, max(triton.next_power_of_2(row_bytes // word), vec))
+    return {"WORD": _WORD_TYPES[word], "VEC": vec, "ALIGN": align, "ROWS": config.rows,
+            "BLOCK": block}
+
+
 def _kernel_for(device: torch.device):
     """The compiled kernel on a GPU; the Triton interpreter on the CPU (whether or not
     ``TRITON_INTERPRET=1`` was set when this module was imported)."""
@@ -134,12 +147,9 @@ def copy_rows(
         raise TypeError(f"errors must be an int32 tensor of one element, got {errors.dtype}")
     if n == 0 or layers == 0:
         return
-    align = pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
-    word = min(align, 4)
-    vec = align // word
-    block = max(triton.next_power_of_2(config.block_bytes // word), vec)
-    block = min(block, max(triton.next_power_of_2(row_bytes // word), vec))
-    rows = config.rows
+    const = launch_constants(row_bytes, src_pitch, dst_pitch, base_alignment, config)
+    align, rows = const["ALIGN"], const["ROWS"]
+    word = align // const["VEC"]
     num_row_blocks = triton.cdiv(n, rows)
     num_items = layers * num_row_blocks
     grid = (max(1, min(num_items, config.max_programs)),)
@@ -157,11 +167,7 @@ def copy_rows(
         row_bytes // word,
         num_row_blocks,
         num_items,
-        WORD=_WORD_TYPES[word],
-        VEC=vec,
-        ALIGN=align,
-        ROWS=rows,
-        BLOCK=block,
+        **const,
         COUNT_ERRORS=errors is not None,
         num_warps=config.num_warps,
     )

@@ -4,7 +4,7 @@ Mooncake store. See API.md for the contract."""
 from kvmove.cache import KVCache
 from kvmove.descriptors import Descriptors, describe
 from kvmove.embedded_master import EmbeddedMaster
-from kvmove.errors import KVMoveError, StagingFull, StoreError
+from kvmove.errors import KVMoveError, StagingFull, StagingInUse, StoreError
 from kvmove.mover import KVMover
 from kvmove.rows.moves import copy_rows, gather, scatter
 from kvmove.staging import StagingBuffer
@@ -22,6 +22,7 @@ __all__ = [
     "MooncakeStore",
     "StagingBuffer",
     "StagingFull",
+    "StagingInUse",
     "Status",
     "StoreConfig",
     "StoreError",

@@ -10,5 +10,9 @@ class StagingFull(KVMoveError):
     """The staging pool has fewer free slots than were asked for."""
 
 
+class StagingInUse(KVMoveError):
+    """The staging cannot be closed: slots are still allocated to transfers."""
+
+
 class StoreError(KVMoveError):
     """The Mooncake store cannot be reached or set up."""

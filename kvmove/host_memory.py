@@ -1,96 +1,131 @@
 """Page-aligned host memory for staging; pinned and device-accessible when CUDA is present.
 
-One anonymous ``mmap`` per allocation gives page-aligned, zero-filled memory. On CUDA the
-range is registered with ``cudaHostRegister`` in chunks (large single pinnings fail on real
-systems), with the *mapped* flag, and the device-side address of each chunk is obtained
-with ``cudaHostGetDevicePointer``. Kernels must use :attr:`HostMemory.device_address`
-(not the bare host pointer) to write into it.
+One anonymous ``mmap`` per allocation gives page-aligned, zero-filled memory:
+
+- **One registration per allocation.** On CUDA the whole range is registered with one
+  ``cudaHostRegister`` call (portable, mapped; :mod:`kvmove.cuda_api`), the way engines pin
+  their host KV pools, so no copy, 2-D copy or store span inside one allocation ever crosses
+  a registration boundary (a range registered piecewise is not one pinned range to the copy
+  engine). The allocation maps one spare page after its bytes, so two allocations are never
+  adjacent and no merged span can run from one into the next either.
+- **Unregistered before it is unmapped.** :meth:`HostMemory.close` unregisters; an
+  allocation dropped without it is unregistered by a ``weakref.finalize`` that holds the
+  mapping, so the pages stay mapped until the unregister has run.
+- **Not shared with forked children.** ``madvise(MADV_DONTFORK)``: a child of ``fork`` (the
+  embedded Mooncake master is started by fork + exec) gets no copy-on-write view of pinned
+  pages, so a write by the parent never moves a page away from the device's mapping, and
+  forking does not copy the page tables of gigabytes of staging.
+
+Kernels must use :attr:`HostMemory.device_address` (not the bare host pointer) to reach it.
+The registration is behind a small interface (:class:`CudaPinning`, :func:`pinning_for`),
+so it can be observed without a GPU.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
+import weakref
+from typing import Protocol
 
 import torch
 
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-REGISTER_CHUNK = 1 << 30  # bytes pinned per cudaHostRegister call
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_MAPPED = 2
 
 
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime library torch already loaded, for the calls torch does not expose."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise RuntimeError("CUDA is available but libcudart could not be loaded")
+class Pinning(Protocol):
+    """Registers host memory with a device."""
+
+    def register(self, address: int, nbytes: int) -> int:
+        """Register ``nbytes`` at ``address``; return the device address of byte 0."""
+
+    def unregister(self, address: int) -> None:
+        """Undo :meth:`register` of the range starting at ``address``."""
+
+
+class CudaPinning:
+    """``cudaHostRegister`` (portable, mapped) / ``cudaHostUnregister``."""
+
+    def register(self, address: int, nbytes: int) -> int:
+        from kvmove import cuda_api
+
+        return cuda_api.host_register(address, nbytes)
+
+    def unregister(self, address: int) -> None:
+        from kvmove import cuda_api
+
+        cuda_api.host_unregister(address)
+
+
+def pinning_for(device: torch.device) -> Pinning | None:
+    """How host memory that kernels on ``device`` reach is registered (None: not at all)."""
+    return CudaPinning() if device.type == "cuda" else None
+
+
+def registration_ranges(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``(address, nbytes)`` ranges registered for ``regions``: one per region, itself."""
+    return [(int(a), int(n)) for a, n in regions]
+
+
+def spans_crossing(spans, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``(address, nbytes)`` spans that do not lie inside a single one of ``ranges``."""
+    bad = []
+    for address, nbytes in spans:
+        if not any(a <= address and address + nbytes <= a + n for a, n in ranges):
+            bad.append((address, nbytes))
+    return bad
+
+
+def _unpin_at_collection(pinning: Pinning, address: int, mapping: mmap.mmap) -> None:
+    # ``mapping`` is passed only to keep the pages mapped until the unregister has run.
+    try:
+        pinning.unregister(address)
+    except Exception as e:  # the runtime may be gone at interpreter exit
+        log.warning("unregistering host memory at %#x failed: %s", address, e)
 
 
 class HostMemory:
-    """``nbytes`` of page-aligned host memory as a uint8 tensor; pinned on CUDA."""
+    """``nbytes`` of page-aligned host memory as a uint8 tensor; registered with ``pin``
+    (a :class:`Pinning`; ``True`` means CUDA's, ``False``/``None`` none)."""
 
-    def __init__(self, nbytes: int, *, pin: bool):
+    def __init__(self, nbytes: int, *, pin: bool | Pinning | None):
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        mapped = -(-nbytes // PAGE) * PAGE + PAGE  # one spare page: never adjacent to another
+        self._map = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        dontfork = getattr(mmap, "MADV_DONTFORK", None)
+        if dontfork is not None:
+            self._map.madvise(dontfork)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
         self.address = self.tensor.data_ptr()
-        self._registered: list[int] = []
-        self.pinned = False
-        self._device_offset = 0  # device address - host address (0 under UVA)
-        if pin:
-            self._pin()
+        self._device_address = self.address
+        self._pinning: Pinning | None = CudaPinning() if pin is True else (pin or None)
+        self._finalizer: weakref.finalize | None = None
+        if self._pinning is not None:
+            self._device_address = self._pinning.register(self.address, nbytes)
+            self._finalizer = weakref.finalize(self, _unpin_at_collection, self._pinning,
+                                               self.address, self._map)
+
+    @property
+    def pinned(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
 
     @property
     def device_address(self) -> int:
-        """The address a CUDA kernel uses for byte 0 of this memory."""
-        return self.address + self._device_offset
+        """The address a kernel uses for byte 0 of this memory."""
+        return self._device_address
 
-    def _pin(self) -> None:
-        cudart = torch.cuda.cudart()
-        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-        try:
-            for start in range(0, self.nbytes, REGISTER_CHUNK):
-                size = min(REGISTER_CHUNK, self.nbytes - start)
-                err = cudart.cudaHostRegister(self.address + start, size, flags)
-                if int(err) != 0:
-                    raise RuntimeError(
-                        f"cudaHostRegister of {size} bytes at offset {start} failed: {err}"
-                    )
-                self._registered.append(self.address + start)
-        except Exception:
-            self._unpin()
-            raise
-        self.pinned = True
-        offsets = {self._device_pointer(a) - a for a in self._registered}
-        if len(offsets) != 1:
-            self._unpin()
-            raise RuntimeError("registered chunks have different device offsets; UVA is required")
-        self._device_offset = offsets.pop()
-
-    def _device_pointer(self, host: int) -> int:
-        dev = ctypes.c_void_p()
-        err = _cudart().cudaHostGetDevicePointer(ctypes.byref(dev), ctypes.c_void_p(host), 0)
-        if err != 0:
-            raise RuntimeError(f"cudaHostGetDevicePointer failed with error {err}")
-        return int(dev.value or 0)
-
-    def _unpin(self) -> None:
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for address in self._registered:
-                cudart.cudaHostUnregister(address)
-            self._registered.clear()
-        self.pinned = False
+    @property
+    def registrations(self) -> list[tuple[int, int]]:
+        """The ``(address, nbytes)`` ranges registered now (empty when not pinned)."""
+        return [(self.address, self.nbytes)] if self.pinned else []
 
     def close(self) -> None:
-        """Unpin the memory. The mapping itself lives as long as tensors viewing it."""
-        self._unpin()
+        """Unregister the memory (idempotent). The mapping itself lives as long as tensors
+        viewing it."""
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            self._device_address = self.address
+            self._pinning.unregister(self.address)

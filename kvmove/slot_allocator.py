@@ -27,6 +27,18 @@ class SlotAllocator:
         with self._cond:
             return self._num_free
 
+    def wait_all_free(self, timeout: float | None = 0.0) -> bool:
+        """Wait up to ``timeout`` seconds (``None``: forever) until no slot is allocated;
+        whether none is."""
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while self._num_free < self.num_slots:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
     def alloc(self, n: int, *, timeout: float | None = 0.0) -> torch.Tensor:
         """``n`` free slot ids (int64, ascending). With ``timeout`` 0 (the default) raise
         :class:`StagingFull` at once when fewer than ``n`` are free; with a positive timeout

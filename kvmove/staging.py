@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from kvmove import host_memory
 from kvmove.cache import KVCache
+from kvmove.errors import StagingInUse
 from kvmove.host_memory import HostMemory
 from kvmove.rows.pool import BufferRows, RowPool
 from kvmove.slot_allocator import SlotAllocator
@@ -33,7 +35,7 @@ class StagingBuffer:
         self.kv = kv
         self.num_slots = num_slots
         self.page_tokens = page_tokens
-        pin = kv.device.type == "cuda"
+        pin = host_memory.pinning_for(kv.device)
         self._memory: dict[str, HostMemory] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         rows = []
@@ -93,6 +95,14 @@ class StagingBuffer:
         return all(m.pinned for m in self._memory.values())
 
     @property
+    def registrations(self) -> list[tuple[int, int]]:
+        """The ``(address, nbytes)`` ranges registered with the device now: one per region
+        of :meth:`regions` while pinned (no copy or store span crosses from one into
+        another), none on the CPU or after :meth:`close`."""
+        memories = [*self._memory.values(), *([self._trailer] if self._trailer else [])]
+        return [r for m in memories for r in m.registrations]
+
+    @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self._memory.values())
 
@@ -138,8 +148,25 @@ class StagingBuffer:
     def num_free(self) -> int:
         return self._slots.num_free
 
-    def close(self) -> None:
-        """Unpin the staging memory (on CUDA). The tensors stay readable on the host."""
+    @property
+    def num_allocated(self) -> int:
+        """Slots allocated now (by transfers that may still use their memory)."""
+        return self.num_slots - self._slots.num_free
+
+    def close(self, *, timeout: float | None = 0.0, force: bool = False) -> None:
+        """Unpin the staging memory (on CUDA); the tensors stay readable on the host.
+        Idempotent.
+
+        A transfer holds its slots until its copies are done, so while any slot is allocated
+        the memory may still be read or written by a copy in flight. ``close`` first waits
+        up to ``timeout`` seconds (``None``: forever) for every slot to be freed, then raises
+        :class:`kvmove.StagingInUse` (unpinning nothing) if some still are, unless ``force``
+        is true: then the caller vouches that no copy uses the memory any more."""
+        if not force and not self._slots.wait_all_free(timeout):
+            raise StagingInUse(
+                f"closing the staging while {self.num_allocated} of {self.num_slots} slots "
+                f"are allocated: a transfer may still use their memory; wait for the "
+                f"transfers (or free their slots) first, or pass force=True")
         for memory in [*self._memory.values(), *([self._trailer] if self._trailer else [])]:
             memory.close()
 

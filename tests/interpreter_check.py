@@ -1,5 +1,5 @@
 """Whether this machine's Triton interpreter can run a kernel that loops over a range of
-program ids (as ``kernels/copy_rows.py`` does). Triton 3.6 and older call ``int()`` on a
+program ids (as ``kernels/row_copy.py`` does). Triton 3.6 and older call ``int()`` on a
 one-element array there, which numpy 2.4 refuses (triton-lang/triton#9171, fixed after
 3.6): the interpreter tests are then skipped with that reason instead of failing."""
 

@@ -74,10 +74,10 @@ def assert_equal(a, b):
 
 
 def test_the_kernel_is_compiled_not_interpreted():
-    from kvmove.kernels import copy_rows
+    from kvmove.kernels import row_copy
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert not isinstance(copy_rows._copy_rows_kernel, InterpretedFunction), (
+    assert not isinstance(row_copy._copy_rows_kernel, InterpretedFunction), (
         "TRITON_INTERPRET was set when kvmove.kernels.row_copy was imported")
 
 
@@ -188,6 +188,7 @@ def test_two_hop_matches_direct(batch, side_stream, ring, monkeypatch):
         other = build(buffers, kv_slots, seed=7)
         dst = random_pages(kv_slots, n, pt, seed=2)
         dst[token_pages < 0] = -1
+        stream.wait_stream(torch.cuda.current_stream())  # the caches were built on it
         with torch.cuda.stream(stream):
             kvmove.gather(kv, staging, token_pages, slots, backend=backend)
             kvmove.scatter(staging, slots, other, dst, backend=backend)
@@ -204,6 +205,7 @@ def test_copy_engine_spans_on_a_side_stream():
     host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
     starts = list(range(0, 1 << 20, 1 << 16))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # src was written on the default stream
     with torch.cuda.stream(stream):
         calls = copy_spans([host.data_ptr() + s for s in starts],
                            [src.data_ptr() + s for s in starts], [1 << 15] * len(starts),
@@ -242,14 +244,48 @@ def test_copy_engine_grid_covers_every_layer(batch):
         assert calls == len(starts)  # one 2-D copy per span, covering every layer
 
 
-def test_tune_key_finds_a_valid_config():
-    from kvmove.tuning.config_search import valid
-    from kvmove.tuning.key_tuning import tune_key
+def test_tune_key_finds_a_valid_config_that_copies_right_and_holds_up_when_retimed():
+    import statistics
+
+    from kvmove.kernels import configs
+
+    from kvmove.tuning.config_search import start_config, valid
+    from kvmove.tuning.key_tuning import bench_seconds, tune_key
+    from kvmove.tuning.workload import Workload
 
     r = tune_key(CUDA, "gather", 656, 64, quick=True, target_bytes=16 << 20)
     assert valid(r.config, 656, 16)
-    assert r.config_gbps > 0 and r.config_gbps >= 0.9 * r.default_gbps
     assert r.path in ("direct", "two_hop")
+    # The winner copies the right bytes.
+    trial = configs.TunedTable(configs={r.key: r.config})
+    configs.register_table(trial, torch.cuda.get_device_name())
+    try:
+        kv = build([("kv", 3, 656, torch.uint8, 0)], 1024)
+        staging = kvmove.StagingBuffer(kv, num_slots=8, page_tokens=64)
+        pages, slots = random_pages(1024, 5, 64), torch.tensor([7, 0, 3, 2, 5])
+        kvmove.gather(kv, staging, pages, slots, backend="triton")
+        torch.cuda.synchronize()
+        reference = kvmove.StagingBuffer(kv, num_slots=8, page_tokens=64)
+        kvmove.gather(kv, reference, pages, slots, backend="torch")
+        assert torch.equal(staging.tensor("kv"), reference.tensor("kv"))
+    finally:
+        configs.unregister_table(trial)
+    # Timed again, apart from the search and interleaved with the default, the winner is
+    # not slower than the default (beyond noise): a search that keeps a worse config, or
+    # times configs differently from how they run, fails here.
+    work = Workload(CUDA, 656, 64, layers=r.layers, target_bytes=16 << 20)
+    try:
+        run = work.launcher("gather")
+        default = start_config(656, configs.DEFAULT_MAX_PROGRAMS)
+        won, base = [], []
+        for _ in range(5):
+            won.append(bench_seconds(lambda: run(r.config), quick=True))
+            base.append(bench_seconds(lambda: run(default), quick=True))
+    finally:
+        work.close()
+    ratio = statistics.median(base) / statistics.median(won)
+    print(f"tuned {r.config} vs default {default}: {ratio:.2f}x (medians of 5 interleaved)")
+    assert ratio > 0.8, f"the tuned config is {1 / ratio:.2f}x slower than the default"
 
 
 def test_autotune_on_first_use_fills_the_user_cache(monkeypatch):
@@ -290,3 +326,231 @@ def test_auto_uses_the_two_hop_path_where_recorded(monkeypatch):
         for slot in (0, 1, 2):
             assert torch.equal(staging.tensor("kv")[layer, slot],
                                reference.tensor("kv")[layer, slot])
+
+
+# -- pinned staging ---------------------------------------------------------------------------
+def test_registered_memory_is_read_and_written_by_the_device_through_its_address():
+    from kvmove import cuda_api
+    from kvmove.host_memory import HostMemory
+
+    memory = HostMemory(3 << 20, pin=True)
+    assert memory.pinned and memory.registrations == [(memory.address, 3 << 20)]
+    assert memory.device_address == memory.address  # UVA
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=CUDA)
+    stream = torch.cuda.current_stream().cuda_stream
+    cuda_api.memcpy_async(memory.device_address + 12345, src.data_ptr(), 1 << 20, stream)
+    back = torch.empty_like(src)
+    cuda_api.memcpy_async(back.data_ptr(), memory.device_address + 12345, 1 << 20, stream)
+    torch.cuda.synchronize()
+    assert torch.equal(memory.tensor[12345:12345 + (1 << 20)], src.cpu())
+    assert torch.equal(back, src)
+    memory.close()
+    assert not memory.pinned
+
+
+def test_staging_over_1_gib_moves_pages_across_the_old_chunk_boundary():
+    from kvmove.host_memory import spans_crossing
+
+    rb, pt, slots_n = 656, 64, 13000  # 2 layers of 546 MB: one region of 1.09 GB
+    kv = build([("kv", 2, rb, torch.uint8, 0)], 4096)
+    staging = kvmove.StagingBuffer(kv, num_slots=slots_n, page_tokens=pt)
+    page, layer_bytes = pt * rb, slots_n * pt * rb
+    assert staging.nbytes > 1 << 30
+    assert staging.registrations == staging.regions()  # one registration for the buffer
+    # The slot of layer 1 that holds byte 1 GiB, where a 1 GiB registration chunk ended.
+    straddle = ((1 << 30) - layer_bytes) // page
+    assert layer_bytes + straddle * page < 1 << 30 < layer_bytes + (straddle + 1) * page
+    slots = torch.tensor([straddle, straddle + 1, straddle - 1, slots_n - 1, 0])
+    pages = random_pages(4096, len(slots), pt, pad=False)
+    desc = kvmove.describe(staging, slots, [f"k{i}" for i in range(len(slots))])
+    spans = [(p, n) for ps, ns in zip(desc.ptrs, desc.sizes, strict=True)
+             for p, n in zip(ps, ns, strict=True)]
+    assert spans_crossing(spans, staging.registrations) == []
+    reference = {}
+    for backend in ("torch", "triton", "two_hop"):
+        staging.tensor("kv").index_fill_(1, slots, 0)
+        kvmove.gather(kv, staging, pages, slots, backend=backend)
+        torch.cuda.synchronize()
+        got = staging.tensor("kv")[:, slots].clone()
+        reference.setdefault("gather", got)
+        assert torch.equal(got, reference["gather"]), f"{backend} gather differs"
+        other = build([("kv", 2, rb, torch.uint8, 0)], 4096, seed=5)
+        kvmove.scatter(staging, slots, other, pages, backend=backend)
+        torch.cuda.synchronize()
+        for layer in range(2):
+            rows = pages.reshape(-1).to(CUDA)
+            assert torch.equal(other.layer("kv", layer)[rows], kv.layer("kv", layer)[rows])
+    staging.close()
+
+
+# -- launches ---------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kv_on_a_second_gpu_with_the_first_current():
+    dev1 = torch.device("cuda", 1)
+    with torch.cuda.device(dev1):
+        kv = build([("kv", 3, 656, torch.uint8, 0), ("ix", 2, 132, torch.uint8, 0)], 512)
+    assert kv.device == dev1 and torch.cuda.current_device() == 0
+    staging = kvmove.StagingBuffer(kv, num_slots=6, page_tokens=16)
+    pages, slots = random_pages(512, 4, 16), torch.tensor([5, 0, 2, 3])
+    reference = kvmove.StagingBuffer(kv, num_slots=6, page_tokens=16)
+    kvmove.gather(kv, reference, pages, slots, backend="torch")
+    for backend in ("triton", "two_hop"):
+        kvmove.gather(kv, staging, pages, slots, backend=backend)
+        torch.cuda.synchronize(dev1)
+        assert_equal(staging_bytes(staging), staging_bytes(reference))
+        with torch.cuda.device(dev1):
+            other = build([("kv", 3, 656, torch.uint8, 0), ("ix", 2, 132, torch.uint8, 0)],
+                          512, seed=3)
+        kvmove.scatter(staging, slots, other, pages, backend=backend)
+        torch.cuda.synchronize(dev1)
+        rows = pages.reshape(-1)
+        rows = rows[rows >= 0].to(dev1)
+        for name in kv.buffer_names:
+            for layer in range(kv.num_layers(name)):
+                assert torch.equal(other.layer(name, layer)[rows], kv.layer(name, layer)[rows])
+
+
+def compiled_kernels_on(device) -> int:
+    from kvmove.kernels import row_copy
+
+    caches = row_copy._copy_rows_kernel.device_caches
+    return sum(len(c[0]) for c in caches.values()) if caches else 0
+
+
+def test_varying_batch_sizes_compile_nothing_new():
+    kv = build([("kv", 3, 656, torch.uint8, 0)], 4096)
+    staging = kvmove.StagingBuffer(kv, num_slots=64, page_tokens=16)
+    g = torch.Generator().manual_seed(4)
+
+    def once(n):
+        pages = random_pages(4096, n, 16, seed=n)
+        slots = torch.randperm(64, generator=g)[:n]
+        kvmove.gather(kv, staging, pages, slots, backend="triton")
+        kvmove.scatter(staging, slots, kv, pages, backend="triton")
+
+    once(3)
+    torch.cuda.synchronize()
+    before = compiled_kernels_on(CUDA)
+    assert before > 0
+    for n in (1, 2, 5, 16, 17, 33, 64, 7):
+        once(n)
+    torch.cuda.synchronize()
+    assert compiled_kernels_on(CUDA) == before, "a batch size compiled a new kernel"
+
+
+# -- the mover inside an engine ---------------------------------------------------------------
+@pytest.fixture
+def gpu_store(request):
+    pytest.importorskip("mooncake.store")
+    return request.getfixturevalue("store")
+
+
+def test_mover_round_trip_with_indices_written_on_the_engine_stream(gpu_store, keyspace):
+    pt, n, kv_slots = 16, 6, 2048
+    engine = torch.cuda.Stream()
+    engine.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(engine):
+        kv = build([("kv", 4, 656, torch.uint8, 0), ("ix", 2, 132, torch.uint8, 0)], kv_slots)
+        expect = kv_bytes(kv)
+        mover = kvmove.KVMover(kv, gpu_store, page_tokens=pt, staging_slots=16)
+        try:
+            keys = keyspace(n)
+            src = random_pages(kv_slots, n, pt, pad=False).to(CUDA)
+            pages = torch.full_like(src, -1)
+            torch.cuda._sleep(20_000_000)  # the indices land late, after a busy engine
+            pages.copy_(src)  # written by a kernel on the engine stream just before the call
+            t = mover.evict(keys, pages)
+            engine.wait_event(t.gathered)
+            for name in kv.buffer_names:  # the engine reuses the evicted rows at once
+                for layer in range(kv.num_layers(name)):
+                    kv.layer(name, layer)[src.reshape(-1)] = 0
+            assert all(s is kvmove.Status.OK for s in t.wait())
+            dst = random_pages(kv_slots, n, pt, pad=False, seed=9).to(CUDA)
+            free = torch.full_like(dst, -1)
+            torch.cuda._sleep(20_000_000)
+            free.copy_(dst)
+            p = mover.prefetch(keys, free)
+            engine.wait_event(p.scattered)
+            got = {name: [kv.layer(name, i)[dst.reshape(-1)].cpu()
+                          for i in range(kv.num_layers(name))] for name in kv.buffer_names}
+            assert all(s is kvmove.Status.OK for s in p.wait())
+        finally:
+            mover.close()
+    rows = src.reshape(-1).cpu()
+    for name in expect:
+        for layer, layer_bytes in enumerate(expect[name]):
+            assert torch.equal(got[name][layer], layer_bytes[rows]), f"{name} layer {layer}"
+
+
+def test_evict_and_prefetch_do_not_sync_the_host(gpu_store, keyspace):
+    pt, kv_slots = 16, 1024
+    kv = build([("kv", 3, 656, torch.uint8, 0)], kv_slots)
+    mover = kvmove.KVMover(kv, gpu_store, page_tokens=pt, staging_slots=16)
+    try:
+        pages = random_pages(kv_slots, 4, pt, pad=False).to(CUDA)
+        warm = keyspace(4, "warm")
+        mover.evict(warm, pages).wait()  # compiles, allocates the rings and tables
+        mover.prefetch(warm, pages).wait()
+        torch.cuda.synchronize()
+        keys = keyspace(4)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            t = mover.evict(keys, pages)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(s is kvmove.Status.OK for s in t.wait())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            p = mover.prefetch(keys, pages)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(s is kvmove.Status.OK for s in p.wait())
+    finally:
+        mover.close()
+
+
+def test_graph_captured_gather_and_scatter_replay_with_new_indices():
+    """A user's capture: fixed-capacity device index buffers, a warm-up outside the graph,
+    then replays after writing new indices into the same buffers. Relies on gather/scatter
+    with device tensors and ``check=False`` neither allocating pageable host memory nor
+    syncing the host (the pointer tables are built once, before the capture)."""
+    pt, cap, kv_slots = 16, 8, 2048
+    kv = build([("kv", 3, 656, torch.uint8, 0), ("ix", 2, 132, torch.uint8, 0)], kv_slots)
+    staging = kvmove.StagingBuffer(kv, num_slots=cap, page_tokens=pt)
+    other = build([("kv", 3, 656, torch.uint8, 0), ("ix", 2, 132, torch.uint8, 0)], kv_slots,
+                  seed=11)
+    pages = torch.full((cap, pt), -1, dtype=torch.int64, device=CUDA)
+    slots = torch.arange(cap, device=CUDA)
+    dst = torch.full((cap, pt), -1, dtype=torch.int64, device=CUDA)
+
+    def step():
+        kvmove.gather(kv, staging, pages, slots, backend="triton", check=False)
+        kvmove.scatter(staging, slots, other, dst, backend="triton", check=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles, builds the tables
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (1, 2, 3):
+        a = random_pages(kv_slots, cap, pt, seed=seed)
+        b = random_pages(kv_slots, cap, pt, seed=seed + 100)
+        b[a < 0] = -1
+        pages.copy_(a)
+        dst.copy_(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = kvmove.StagingBuffer(kv, num_slots=cap, page_tokens=pt)
+        kvmove.gather(kv, ref, a, torch.arange(cap), backend="torch")
+        for name in kv.buffer_names:
+            keep = (a >= 0).reshape(-1)
+            got = staging.tensor(name).view(kv.num_layers(name), cap * pt, -1)[:, keep]
+            want = ref.tensor(name).view(kv.num_layers(name), cap * pt, -1)[:, keep]
+            assert torch.equal(got, want), f"replay {seed}: gather of {name} differs"
+            rows_src, rows_dst = a.reshape(-1)[keep].to(CUDA), b.reshape(-1)[keep].to(CUDA)
+            for layer in range(kv.num_layers(name)):
+                assert torch.equal(other.layer(name, layer)[rows_dst],
+                                   kv.layer(name, layer)[rows_src]), f"replay {seed}: scatter"

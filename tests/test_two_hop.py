@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import kvmove
 from kvmove.rows.copy_engine import copy_span_grid, copy_spans
-from kvmove.rows.device_ring import ENV_RING_BYTES, ring_for
+from kvmove.rows.device_ring import ENV_RING_BYTES, ring_capacity, ring_for
 from kvmove.rows.prepared import resolve_backend
 from kvmove.rows.two_hop import copy_rows_two_hop, span_grid
 from tests.caches import (
@@ -200,17 +200,23 @@ def test_copy_spans_on_the_cpu_moves_each_span():
     assert ctypes.c_uint8.from_address(b + 42).value == 22
 
 
-def test_ring_is_reused_and_follows_its_size(monkeypatch):
+def test_ring_is_reused_never_resized_in_place_and_sized_by_the_staging(monkeypatch):
     kv = build_cache([("kv", 2, 100, torch.uint8, 0, True)], 8)
     buf = kv.row_pool.buffers["kv"]
     monkeypatch.setenv(ENV_RING_BYTES, "2000")
+    assert ring_capacity(buf) == 10 and ring_capacity(buf, staging_rows=4) == 4
     ring = ring_for(buf)
     assert ring.capacity == 10 and ring_for(buf) is ring
     monkeypatch.setenv(ENV_RING_BYTES, "4000")
-    assert ring_for(buf).capacity == 20
+    assert ring_for(buf) is ring, "a ring in use was resized behind its users"
+    bigger = ring_for(buf, capacity=20)  # an explicit size: a new ring, the old one left intact
+    assert bigger is not ring and bigger.capacity == 20 and ring.tensor.shape == (2, 10, 100)
+    assert ring_for(buf) is bigger
+    with pytest.raises(ValueError, match="capacity"):
+        ring_for(buf, capacity=0)
     monkeypatch.setenv(ENV_RING_BYTES, "lots")
     with pytest.raises(ValueError, match=ENV_RING_BYTES):
-        ring_for(buf)
+        ring_capacity(buf)
 
 
 def test_two_hop_is_a_backend_and_auto_stays_torch_on_the_cpu():

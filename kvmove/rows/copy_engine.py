@@ -11,7 +11,8 @@ per-thread default stream instead, which the legacy stream orders against in bot
 directions, so the copies still run after the work before them and before the work after
 them. Addresses are the ones the device uses (UVA addresses of pinned host memory); the
 direction of each copy follows from them (``cudaMemcpyDefault``). On the CPU each span is a
-``memmove``. Spans of one call must not overlap.
+``memmove``. Spans of one call must not overlap. The CUDA calls go through
+:mod:`kvmove.cuda_api`; a batch the driver refuses is copied span by span, in that call only.
 
 ``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span and 2-D copies only).
 """
@@ -26,140 +27,68 @@ import threading
 import numpy as np
 import torch
 
+from kvmove import cuda_api
+
 log = logging.getLogger(__name__)
 
 ENV_BATCH = "KVMOVE_COPY_BATCH"
 MAX_BATCH = 8192  # spans per cuMemcpyBatchAsync call
 MAX_2D_PITCH = (1 << 31) - 1  # cudaDevAttrMaxPitch on current GPUs: wider pitches go span by span
 
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
-_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-_LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
-_LOCATION_HOST = 2  # CU_MEM_LOCATION_TYPE_HOST
-_STREAM_PER_THREAD = 2  # CU_STREAM_PER_THREAD
-
-
-class _MemLocation(ctypes.Structure):
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    """``CUmemcpyAttributes`` (CUDA 12.8 and 13)."""
-
-    _fields_ = (
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _MemLocation),
-        ("dstLocHint", _MemLocation),
-        ("flags", ctypes.c_uint),
-    )
-
-
-def _load(names: tuple[str, ...]) -> ctypes.CDLL:
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise RuntimeError(f"none of {names} could be loaded")
-
-
-def _batch_entry(libcuda: ctypes.CDLL):
-    """``(function, takes_fail_idx)`` for ``cuMemcpyBatchAsync`` in the revision that matches
-    the driver (13.0 dropped the ``failIdx`` argument), or None when the driver predates it."""
-    version = ctypes.c_int()
-    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
-        return None
-    wanted = 13000 if version.value >= 13000 else 12080
-    fn = ctypes.c_void_p()
-    status = ctypes.c_int()
-    get = getattr(libcuda, "cuGetProcAddress_v2", None)
-    if get is not None:
-        get.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                        ctypes.c_uint64, ctypes.POINTER(ctypes.c_int))
-        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(fn), wanted, 0, ctypes.byref(status))
-    else:
-        get = libcuda.cuGetProcAddress
-        get.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                        ctypes.c_uint64)
-        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(fn), wanted, 0)
-    if rc != 0 or not fn.value:
-        return None
-    vp, size = ctypes.c_void_p, ctypes.c_size_t
-    if wanted >= 13000:  # (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
-        proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, size, vp, vp, size, vp)
-        return proto(fn.value), False
-    # 12.8: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, stream)
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, size, vp, vp, size, vp, vp)
-    return proto(fn.value), True
-
 
 class CudaCopier:
-    """The CUDA runtime/driver entry points for span copies, loaded once."""
+    """Span copies on CUDA through :mod:`kvmove.cuda_api` (``api``: any object with its
+    ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_batch`` and ``has_memcpy_batch``)."""
 
-    def __init__(self):
-        cudart = _load(("libcudart.so.13", "libcudart.so.12", "libcudart.so"))
-        self.memcpy_async = cudart.cudaMemcpyAsync
-        self.memcpy_async.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                      ctypes.c_int, ctypes.c_void_p)
-        self.memcpy_async.restype = ctypes.c_int
-        self.memcpy_2d_async = cudart.cudaMemcpy2DAsync
-        self.memcpy_2d_async.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                                         ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
-                                         ctypes.c_int, ctypes.c_void_p)
-        self.memcpy_2d_async.restype = ctypes.c_int
-        try:
-            self._batch = _batch_entry(_load(("libcuda.so.1", "libcuda.so")))
-        except (RuntimeError, AttributeError) as e:
-            log.info("cuMemcpyBatchAsync unavailable (%s); using per-span copies", e)
-            self._batch = None
+    def __init__(self, api=cuda_api):
+        self.api = api
+        self.batch_failures = 0  # batches the driver refused (each fell back, in its call)
+        self._lock = threading.Lock()
 
     @property
     def has_batch(self) -> bool:
-        return self._batch is not None
+        return self.api.has_memcpy_batch()
 
     def per_span(self, dsts: list, srcs: list, sizes: list, stream: int) -> int:
-        copy = self.memcpy_async
+        copy = self.api.memcpy_async
         for d, s, n in zip(dsts, srcs, sizes, strict=True):
-            rc = copy(d, s, n, _MEMCPY_DEFAULT, stream)
-            if rc != 0:
-                raise RuntimeError(f"cudaMemcpyAsync({d:#x} <- {s:#x}, {n} B) failed: error {rc}")
+            copy(d, s, n, stream)
         return len(dsts)
 
     def per_column(self, dsts: list, srcs: list, widths: list, dst_pitch: int,
                    src_pitch: int, height: int, stream: int) -> int:
-        """One ``cudaMemcpy2DAsync`` per span: ``height`` repeats of ``widths[i]`` bytes,
-        ``dst_pitch`` / ``src_pitch`` apart."""
-        copy = self.memcpy_2d_async
+        """One 2-D copy per span: ``height`` repeats of ``widths[i]`` bytes, ``dst_pitch`` /
+        ``src_pitch`` apart."""
+        copy = self.api.memcpy_2d_async
         for d, s, w in zip(dsts, srcs, widths, strict=True):
-            rc = copy(d, dst_pitch, s, src_pitch, w, height, _MEMCPY_DEFAULT, stream)
-            if rc != 0:
-                raise RuntimeError(f"cudaMemcpy2DAsync({d:#x} <- {s:#x}, {w} B x {height}) "
-                                   f"failed: error {rc}")
+            copy(d, dst_pitch, s, src_pitch, w, height, stream)
         return len(dsts)
 
-    def batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
-              src_location: tuple[int, int], dst_location: tuple[int, int]) -> bool:
-        """One batched call per ``MAX_BATCH`` spans; False (nothing to trust) if refused."""
-        fn, takes_fail_idx = self._batch
-        attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(*src_location),
-                                  _MemLocation(*dst_location), 0)
-        zero = (ctypes.c_size_t * 1)(0)
-        fail = ctypes.c_size_t(0)
+    def batched(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, *,
+                device: int, src_location: tuple[int, int],
+                dst_location: tuple[int, int]) -> int:
+        """Every span, one batched call per ``MAX_BATCH`` spans on ``stream`` (not the legacy
+        default stream). A batch the driver refuses was not enqueued: it and the spans after
+        it go span by span, in this call only (the next call batches again); no span is
+        enqueued twice. Returns the number of copy calls issued."""
+        calls = 0
         for start in range(0, len(dsts), MAX_BATCH):
-            d = np.ascontiguousarray(dsts[start:start + MAX_BATCH], dtype=np.uint64)
-            s = np.ascontiguousarray(srcs[start:start + MAX_BATCH], dtype=np.uint64)
-            n = np.ascontiguousarray(sizes[start:start + MAX_BATCH], dtype=np.uint64)
-            args = [d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d),
-                    ctypes.addressof(attrs), ctypes.addressof(zero), 1]
-            if takes_fail_idx:
-                args.append(ctypes.addressof(fail))
-            rc = fn(*args, stream)
-            if rc != 0:
-                log.warning("cuMemcpyBatchAsync failed (error %d at span %d); falling back to "
-                            "per-span cudaMemcpyAsync", rc, start + fail.value)
-                self._batch = None
-                return False
-        return True
+            stop = start + MAX_BATCH
+            try:
+                self.api.memcpy_batch(dsts[start:stop], srcs[start:stop], sizes[start:stop],
+                                      stream, device=device, src_location=src_location,
+                                      dst_location=dst_location)
+            except cuda_api.BatchRefused as e:
+                with self._lock:
+                    self.batch_failures += 1
+                    first = self.batch_failures == 1
+                (log.warning if first else log.debug)(
+                    "%s (spans %d..%d of %d); copying them span by span", e, start,
+                    min(stop, len(dsts)) - 1, len(dsts))
+                return calls + self.per_span(dsts[start:].tolist(), srcs[start:].tolist(),
+                                             sizes[start:].tolist(), stream)
+            calls += 1
+        return calls
 
 
 _copier: CudaCopier | None = None
@@ -204,11 +133,12 @@ def copy_spans(dsts, srcs, sizes, *, device: torch.device, src_on_device: bool =
         stream = torch.cuda.current_stream(device).cuda_stream
         use_batch = batch_enabled() if batch is None else batch
         if use_batch and copier.has_batch and len(dsts) > 1:
-            here = (_LOCATION_DEVICE, device.index or 0)
-            there = (_LOCATION_HOST, 0)
-            if copier.batch(dsts, srcs, sizes, stream or _STREAM_PER_THREAD,
-                            here if src_on_device else there, here if dst_on_device else there):
-                return -(-len(dsts) // MAX_BATCH)
+            here = (cuda_api.LOCATION_DEVICE, device.index or 0)
+            there = (cuda_api.LOCATION_HOST, 0)
+            return copier.batched(dsts, srcs, sizes, stream or cuda_api.STREAM_PER_THREAD,
+                                  device=torch.cuda.current_device(),
+                                  src_location=here if src_on_device else there,
+                                  dst_location=here if dst_on_device else there)
         return copier.per_span(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)
 
 

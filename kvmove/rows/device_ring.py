@@ -2,10 +2,17 @@
 row_bytes]`` on the KV's device, that the kernel fills at HBM speed and the copy engine
 drains (or the reverse). One ring per KV buffer, reused call after call.
 
-Its size is ``KVMOVE_RING_BYTES`` (default 256 MiB) over all layers of the buffer; a copy
-larger than the ring goes through it in chunks. Uses are serialised: on CUDA a use waits
-(on the device) for the previous one, whatever stream either ran on; on the CPU a lock
-orders them.
+Its size is ``KVMOVE_RING_BYTES`` (default 256 MiB) over all layers of the buffer, and never
+more rows than the staging holds; a copy larger than the ring goes through it in chunks.
+The mover allocates its rings when it is built (:func:`prepare_rings`), before any copy,
+so the memory is taken up front and not in the middle of serving. A ring is never resized
+under a copy: :func:`ring_for` returns the ring as built, and replacing it with one of
+another capacity first waits for the old ring's last use to complete on the device.
+
+Uses are serialised: on CUDA a use waits (on the device) for the previous one, whatever
+stream either ran on, and the ring's memory is recorded as used by that stream, so the
+caching allocator does not hand it out again before that stream's work is done; on the CPU
+a lock orders them.
 """
 
 from __future__ import annotations
@@ -73,21 +80,58 @@ class DeviceRing:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._last_use = event
+                self.tensor.record_stream(stream)
+
+    def wait_idle(self) -> None:
+        """Block until the device has finished the last use of the ring."""
+        with self._lock:
+            if self._last_use is not None:
+                self._last_use.synchronize()
 
 
 _rings: dict[int, DeviceRing] = {}
 _rings_lock = threading.Lock()
 
 
-def ring_for(buffer: BufferRows) -> DeviceRing:
-    """The ring of ``buffer`` (created on first use, dropped with the buffer)."""
+def ring_capacity(buffer: BufferRows, staging_rows: int | None = None) -> int:
+    """Rows per layer of ``buffer``'s ring: the ``KVMOVE_RING_BYTES`` budget over all its
+    layers, at most ``staging_rows`` (a copy never moves more rows than the staging holds)."""
     capacity = max(1, ring_bytes() // (buffer.num_layers * buffer.row_bytes))
+    if staging_rows is not None:
+        if staging_rows <= 0:
+            raise ValueError(f"staging_rows must be positive, got {staging_rows}")
+        capacity = min(capacity, staging_rows)
+    return capacity
+
+
+def ring_for(buffer: BufferRows, capacity: int | None = None) -> DeviceRing:
+    """The ring of ``buffer`` (dropped with the buffer).
+
+    With ``capacity`` None: the ring as it was built, or, the first time, a new one of
+    :func:`ring_capacity` rows. With a ``capacity``: a ring of exactly that many rows; an
+    existing ring of another size is replaced only after its last use has completed on the
+    device (a host wait), so no copy in flight loses its memory."""
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity <= 0):
+        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     key = id(buffer)
     with _rings_lock:
         ring = _rings.get(key)
-        if ring is None or ring.capacity != capacity:
-            if ring is None:
-                weakref.finalize(buffer, _rings.pop, key, None)
-            ring = DeviceRing(buffer, capacity)
-            _rings[key] = ring
+        if ring is not None and capacity in (None, ring.capacity):
+            return ring
+        if ring is None:
+            weakref.finalize(buffer, _rings.pop, key, None)
+        else:
+            ring.wait_idle()
+        ring = DeviceRing(buffer, capacity or ring_capacity(buffer))
+        _rings[key] = ring
         return ring
+
+
+def prepare_rings(kv, staging_rows: int) -> dict[str, DeviceRing]:
+    """Allocate now the ring of every CUDA buffer of ``kv`` (a :class:`RowPool`, e.g.
+    ``KVCache.row_pool``), sized :func:`ring_capacity` for a staging of ``staging_rows``
+    rows (``StagingBuffer.num_rows``). Call it when building a mover whose copies may take
+    the two-hop path; buffers not on CUDA get no ring here (on first use instead)."""
+    return {name: ring_for(buf, ring_capacity(buf, staging_rows))
+            for name, buf in kv.buffers.items() if buf.device.type == "cuda"}

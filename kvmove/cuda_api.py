@@ -1,0 +1,193 @@
+"""The CUDA calls kvmove makes outside torch and Triton, in one place, through maintained
+bindings (no hand-declared prototypes, no library loaded by name):
+
+- host memory registration: ``cudaHostRegister`` / ``cudaHostUnregister`` from
+  ``torch.cuda.cudart()``, i.e. in torch's own CUDA runtime;
+- the device address of registered memory, ``cudaMemcpyAsync`` and ``cudaMemcpy2DAsync``:
+  ``cupy.cuda.runtime`` (package ``cupy-cuda12x`` / ``cupy-cuda13x``, the ``cuda12`` /
+  ``cuda13`` extras);
+- ``cuMemcpyBatchAsync`` (CUDA >= 12.8): ``cuda.bindings.driver`` (package
+  ``cuda-bindings`` of the same CUDA major, in the same extras). Its 12.x form returns the
+  index of a failing copy, the 13.x form does not; both are handled here.
+
+Every binding is imported on first use, so a machine without CUDA (or without these
+packages) imports kvmove. A missing package on a CUDA machine is a :class:`CudaApiError`
+naming the extra to install; a missing ``cuda-bindings`` only turns the batched copy off.
+Addresses are plain ints (device addresses: UVA addresses of registered host memory);
+streams are raw ``cudaStream_t`` values (``torch.cuda.Stream.cuda_stream``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmove.errors import KVMoveError
+
+log = logging.getLogger(__name__)
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (UVA) addresses
+STREAM_PER_THREAD = 2  # cudaStreamPerThread / CU_STREAM_PER_THREAD
+LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+LOCATION_HOST = 2  # CU_MEM_LOCATION_TYPE_HOST
+BATCH_MIN_DRIVER = 12080  # cuMemcpyBatchAsync appeared in CUDA 12.8
+
+
+class CudaApiError(KVMoveError):
+    """A CUDA call made by kvmove failed, or the binding it needs is not installed."""
+
+
+class BatchRefused(CudaApiError):
+    """``cuMemcpyBatchAsync`` refused a batch; nothing of that batch was enqueued."""
+
+    def __init__(self, message: str, code: int, fail_index: int | None):
+        super().__init__(message)
+        self.code = code
+        self.fail_index = fail_index
+
+
+def _extra() -> str:
+    major = (torch.version.cuda or "12").split(".")[0]
+    return f"kvmove[cuda{major}]"
+
+
+@functools.cache
+def _runtime():
+    try:
+        from cupy.cuda import runtime
+    except ImportError as e:
+        raise CudaApiError(
+            f"CUDA copies and pinned staging need cupy (install {_extra()}): {e}") from None
+    return runtime
+
+
+@functools.cache
+def _driver():
+    """``cuda.bindings.driver``, or None when the package is not installed."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        log.info("cuda-bindings is not installed (%s); no batched copies", e)
+        return None
+    return driver
+
+
+def _check(what: str, err) -> None:
+    code = int(err)
+    if code != 0:
+        raise CudaApiError(f"{what} failed: CUDA error {code}")
+
+
+# -- host memory ------------------------------------------------------------------------------
+def host_register(address: int, nbytes: int) -> int:
+    """Pin ``nbytes`` at ``address`` (portable, mapped) in torch's runtime; return the address
+    a kernel uses for byte 0 (the same address on every UVA system)."""
+    flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
+    _check(f"cudaHostRegister({address:#x}, {nbytes} B)",
+           torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
+    try:
+        return device_pointer(address)
+    except Exception:
+        host_unregister(address)
+        raise
+
+
+def host_unregister(address: int) -> None:
+    """Undo :func:`host_register` of the range starting at ``address``."""
+    _check(f"cudaHostUnregister({address:#x})", torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def device_pointer(address: int) -> int:
+    """The device address of registered host memory at ``address``."""
+    rt = _runtime()
+    try:
+        return int(rt.pointerGetAttributes(address).devicePointer)
+    except rt.CUDARuntimeError as e:
+        raise CudaApiError(f"cudaPointerGetAttributes({address:#x}) failed: {e}") from None
+
+
+# -- copies -------------------------------------------------------------------------------------
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    rt = _runtime()
+    try:
+        rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, stream)
+    except rt.CUDARuntimeError as e:
+        raise CudaApiError(f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} B) failed: "
+                           f"{e}") from None
+
+
+def memcpy_2d_async(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                    height: int, stream: int) -> None:
+    rt = _runtime()
+    try:
+        rt.memcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
+    except rt.CUDARuntimeError as e:
+        raise CudaApiError(f"cudaMemcpy2DAsync({dst:#x} <- {src:#x}, {width} B x {height}) "
+                           f"failed: {e}") from None
+
+
+@dataclass(frozen=True)
+class _Batch:
+    driver: object
+    returns_fail_index: bool  # the 12.x binding; 13.x dropped failIdx
+
+
+@functools.cache
+def _batch() -> _Batch | None:
+    drv = _driver()
+    if drv is None or not hasattr(drv, "cuMemcpyBatchAsync"):
+        return None
+    try:
+        err, version = drv.cuDriverGetVersion()
+    except Exception as e:  # no driver library at all
+        log.info("cuDriverGetVersion failed (%s); no batched copies", e)
+        return None
+    if int(err) != 0 or version < BATCH_MIN_DRIVER:
+        log.info("the CUDA driver (%s) predates cuMemcpyBatchAsync; no batched copies", version)
+        return None
+    import cuda.bindings
+
+    major = int(str(cuda.bindings.__version__).split(".")[0])
+    return _Batch(drv, returns_fail_index=major < 13)
+
+
+def has_memcpy_batch() -> bool:
+    """Whether ``cuMemcpyBatchAsync`` can be called here (driver >= 12.8, cuda-bindings)."""
+    return _batch() is not None
+
+
+def memcpy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, *,
+                 device: int, src_location: tuple[int, int],
+                 dst_location: tuple[int, int]) -> None:
+    """One ``cuMemcpyBatchAsync`` of ``len(dsts)`` copies on ``stream`` (not the legacy
+    default stream), sources read in stream order; ``*_location`` are ``(LOCATION_*, id)``
+    hints for every copy. Raises :class:`BatchRefused` when the driver refuses the batch
+    (then none of it was enqueued)."""
+    batch = _batch()
+    if batch is None:
+        raise CudaApiError("cuMemcpyBatchAsync is not available here")
+    drv = batch.driver
+    _runtime().setDevice(device)  # the device's primary context, current on this thread
+    attrs = drv.CUmemcpyAttributes()
+    attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    for field, (kind, ident) in (("srcLocHint", src_location), ("dstLocHint", dst_location)):
+        loc = drv.CUmemLocation()
+        loc.type = drv.CUmemLocationType(kind)
+        loc.id = ident
+        setattr(attrs, field, loc)
+    ptr = drv.CUdeviceptr
+    n = len(dsts)
+    out = drv.cuMemcpyBatchAsync([ptr(a) for a in dsts.tolist()],
+                                 [ptr(a) for a in srcs.tolist()], sizes.tolist(), n,
+                                 [attrs], [0], 1, drv.CUstream(stream))
+    code = int(out[0])
+    if code != 0:
+        fail = int(out[1]) if batch.returns_fail_index and len(out) > 1 else None
+        raise BatchRefused(f"cuMemcpyBatchAsync of {n} copies failed: CUDA error {code}"
+                           + (f" at copy {fail}" if fail is not None else ""), code, fail)
