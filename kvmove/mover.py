@@ -17,6 +17,7 @@ from kvmove.checksum import TRAILER_BYTES, PageChecksum
 from kvmove.descriptors import Descriptors, check_keys, check_valid_tokens, describe_trusted
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.keys import KeySpace, RawKeys
+from kvmove.rows.device_ring import prepare_rings
 from kvmove.rows.indices import as_index_tensor, check_range, check_unique
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
@@ -133,6 +134,8 @@ class KVMover:
         self._prefetch_stream = (torch.cuda.Stream(self.device, priority=-100) if cuda
                                  else None)
         if cuda:
+            if any("two_hop" in p.backends for p in (self._gather, self._scatter_all)):
+                self._rings = prepare_rings(kv.row_pool, self.staging.num_rows)
             self._warm_up()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
         self._lock = threading.Lock()
@@ -275,7 +278,9 @@ class KVMover:
                 unregister(self.staging)
             except Exception as e:  # the store may already be closed or its master gone
                 log.warning("unregistering the staging failed: %s", e)
-        self.staging.close()
+        # Every transfer has ended (the executor is shut down), so every slot is free: a
+        # slot still allocated here is the caller's own (staging.alloc), in use or not.
+        self.staging.close(timeout=5.0)
 
     def __enter__(self) -> KVMover:
         return self

@@ -39,7 +39,9 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 parent = name.split(".") if is_package else name.split(".")[:-1]
                 parent = parent[: len(parent) - (node.level - 1)]
                 base = ".".join([*parent, base] if base else parent)
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # ``from kvmove import cuda_api`` imports the module, not the package's exports
+            targets = subs if all(m in known for m in subs) else [base, *subs]
         for t in targets:
             while t and t not in known:
                 t = t.rpartition(".")[0]
