@@ -164,7 +164,7 @@ class NodeProcess:
     the process's standard error (Mooncake's log among it). Every call is bounded by
     ``timeout`` seconds."""
 
-    def __init__(self, master: str, *, log_path: str | os.PathLike, replicas: int = 1,
+    def __init__(self, master: str, *, log_path: str | os.PathLike | None, replicas: int = 1,
                  segment: str = "256mb", layers: int = 4, page_tokens: int = 16,
                  resident: int = 64, key_prefix: str = "cluster", env: dict | None = None,
                  timeout: float = 60.0):
@@ -172,15 +172,17 @@ class NodeProcess:
                 f"--replicas={replicas}", f"--segment={segment}", f"--layers={layers}",
                 f"--page-tokens={page_tokens}", f"--resident={resident}",
                 f"--key-prefix={key_prefix}"]
-        self.log_path = Path(log_path)
+        self.log_path = None if log_path is None else Path(log_path)
         environ = {**os.environ, **(env or {})}
         environ.setdefault("MC_LOG_LEVEL", "ERROR")
         root = str(Path(__file__).resolve().parent.parent)
         environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, environ.get("PYTHONPATH")) if p)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, env=environ, text=True, bufsize=1)
+        with open(self.log_path or os.devnull, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=None if self.log_path is None else log, env=environ, text=True,
+                bufsize=1)
         self._buffer = ""
         self.timeout = timeout
         self.pid = self.proc.pid
@@ -218,6 +220,8 @@ class NodeProcess:
         return answer
 
     def log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None:
+            return "(on this process's stderr)"
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError as e:
