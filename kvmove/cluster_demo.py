@@ -73,9 +73,10 @@ def run_main(args, console: Console) -> int:
                 lambda i: NodeProcess(address, log_path=None if verbose else logs / f"{i}.log",
                                       **common),
                 range(args.processes)))
-        console.print(f"[bold]processes[/] {args.processes} (pids "
-                      f"{', '.join(str(n.pid) for n in nodes)}) in {time.perf_counter() - t0:.1f} s;"
-                      f" {args.layers} layers, {args.page_tokens}-token pages, "
+        pids = ", ".join(str(n.pid) for n in nodes)
+        console.print(f"[bold]processes[/] {args.processes} (pids {pids}) in "
+                      f"{time.perf_counter() - t0:.1f} s; {args.layers} layers, "
+                      f"{args.page_tokens}-token pages, "
                       f"{args.replicas} replica(s)")
         pages = list(range(args.pages))
         unknown = list(range(args.pages, args.pages + min(args.pages, BATCH)))
