@@ -419,7 +419,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         default=list(CLASS_ROW_BYTES.values()),
                         help="row sizes to tune on (one per row-size class by default)")
     parser.add_argument("--page-tokens", nargs="+", type=int,
-                        default=list(CLASS_PAGE_TOKENS.values()))
+                        default=list(CLASS_PAGE_TOKENS.values()),
+                        help="tokens per page to tune on (one per page class by default)")
     parser.add_argument("--layers", type=int, default=8,
                         help="layers of the cache tuned on (default 8)")
     parser.add_argument("--max-programs", type=int, default=configs.DEFAULT_MAX_PROGRAMS,
