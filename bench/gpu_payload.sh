@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# What bench/gpu_check.sh needs on a GPU machine that cannot download anything (the lent
-# H200: Python 3.12, torch with CUDA 13): Mooncake's CUDA wheel for that Python in .whl/,
-# and libibverbs1 (which Mooncake loads) with its libnl libraries in .deb/. The image there
-# already holds pytest (with pytest-timeout and pytest-xdist), hypothesis, rich, matplotlib,
-# setuptools and wheel (the device tool's package list, KINDS.md): carrying other versions would
-# shadow them beside the image's own pytest plugins, so they are not carried. Run it here,
-# on a machine with network, then carry both folders (git ignores them):
+# What bench/gpu_check.sh needs on a GPU machine that cannot download anything (for
+# example an H200 with Python 3.12 and torch with CUDA 13): Mooncake's CUDA wheel for that
+# Python in .whl/, and libibverbs1 (which Mooncake loads) with its libnl libraries in .deb/.
+# Where that machine's Python already has pytest (with pytest-timeout and pytest-xdist),
+# hypothesis, rich, matplotlib, setuptools and wheel, carrying other versions would shadow
+# them beside its own pytest plugins, so they are not carried. Run it on a machine with
+# network, copy both folders (git ignores them) into the checkout on the GPU machine, then:
 #
 #   bash bench/gpu_payload.sh                  # about 50 MB
-#   device run: carry [".whl", ".deb"], command "bash bench/gpu_check.sh $OUT"
+#   bash bench/gpu_check.sh OUTDIR             # on the GPU machine
 #
 # PYTHON_VERSION (default 3.12) and MOONCAKE_WHEEL (default mooncake-transfer-engine-cuda13)
 # pick another Python or CUDA major.

@@ -1,36 +1,47 @@
 """kvmove: move KV-cache bytes between a GPU KV cache, layer-first pinned staging and the
-Mooncake store. See API.md for the contract."""
+Mooncake store. See docs/API.md for the contract.
 
-from kvmove.cache import KVCache
-from kvmove.descriptors import Descriptors, describe
-from kvmove.embedded_master import EmbeddedMaster
-from kvmove.errors import KVMoveError, StagingFull, StagingInUse, StoreError
-from kvmove.mover import KVMover
-from kvmove.rows.moves import copy_rows, gather, scatter
-from kvmove.staging import StagingBuffer
-from kvmove.status import Status
-from kvmove.store import MooncakeStore, StoreResult
-from kvmove.store_config import StoreConfig
-from kvmove.transfer import Transfer
+The public names are loaded on first use (PEP 562), so that ``import kvmove.cli`` and
+``kvmove --help`` do not import torch."""
 
-__all__ = [
-    "Descriptors",
-    "EmbeddedMaster",
-    "KVCache",
-    "KVMoveError",
-    "KVMover",
-    "MooncakeStore",
-    "StagingBuffer",
-    "StagingFull",
-    "StagingInUse",
-    "Status",
-    "StoreConfig",
-    "StoreError",
-    "StoreResult",
-    "Transfer",
-    "copy_rows",
-    "describe",
-    "gather",
-    "scatter",
-]
+from __future__ import annotations
+
+import importlib
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Descriptors": "kvmove.descriptors",
+    "EmbeddedMaster": "kvmove.embedded_master",
+    "KVCache": "kvmove.cache",
+    "KVMoveError": "kvmove.errors",
+    "KVMover": "kvmove.mover",
+    "MooncakeStore": "kvmove.store",
+    "StagingBuffer": "kvmove.staging",
+    "StagingFull": "kvmove.errors",
+    "StagingInUse": "kvmove.errors",
+    "Status": "kvmove.status",
+    "StoreConfig": "kvmove.store_config",
+    "StoreError": "kvmove.errors",
+    "StoreResult": "kvmove.store",
+    "Transfer": "kvmove.transfer",
+    "copy_rows": "kvmove.rows.moves",
+    "describe": "kvmove.descriptors",
+    "gather": "kvmove.rows.moves",
+    "scatter": "kvmove.rows.moves",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmove' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

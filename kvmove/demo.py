@@ -26,40 +26,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 import kvmove
+from kvmove import demo_options
 from kvmove.status import Status
 
 log = logging.getLogger("kvmove.demo")
 
 KV_ROW = 656  # DSA FP8 MLA: 512 B fp8 nope + 64 rope bf16 (128 B) + scales (16 B)
 INDEXER_ROW = 132  # fp8 indexer key (128 B) + fp32 scale
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    on_gpu = torch.cuda.is_available()
-    p = parser or argparse.ArgumentParser(prog="kvmove demo", description=__doc__)
-    p.add_argument("--layers", type=int, default=61, help="KV layers (default 61, DSA-like)")
-    p.add_argument("--indexer-layers", type=int, default=None,
-                   help="indexer layers (default: same as --layers; 0 = no indexer buffer)")
-    p.add_argument("--page-tokens", type=int, default=64 if on_gpu else 16)
-    p.add_argument("--pages", type=int, default=4096 if on_gpu else 400,
-                   help="logical pages in the sequence")
-    p.add_argument("--resident", type=int, default=1024 if on_gpu else 64,
-                   help="pages that fit in the device hot buffer")
-    p.add_argument("--topk", type=int, default=32 if on_gpu else 16,
-                   help="pages attention selects per step")
-    p.add_argument("--steps", type=int, default=400 if on_gpu else 200)
-    p.add_argument("--staging-slots", type=int, default=None,
-                   help="staging pages (default: enough for one step's traffic)")
-    p.add_argument("--backend", choices=["auto", "triton", "torch", "two_hop"], default="auto",
-                   help="row-copy backend (auto: Triton on CUDA, torch on the CPU)")
-    p.add_argument("--layerwise", action="store_true",
-                   help="prefetch layer by layer (wait_layer) instead of all layers at once")
-    p.add_argument("--master", default=None,
-                   help="host:port of an existing Mooncake master (other settings from "
-                        "MOONCAKE_* variables); default: start an embedded master")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
-    return p
 
 
 def page_bytes(page: int, name: str, layers: int, tokens: int, row: int) -> torch.Tensor:
@@ -140,13 +113,12 @@ def make_cache(args) -> kvmove.KVCache:
 
 def open_store(args):
     if args.master:
-        return kvmove.MooncakeStore(kvmove.StoreConfig.from_env(master_address=args.master))
-    return kvmove.MooncakeStore.embedded()
+        return kvmove.MooncakeStore(kvmove.StoreConfig.from_env(master_address=args.master,
+                                                                replicas=args.replicas))
+    return kvmove.MooncakeStore.embedded(replicas=args.replicas)
 
 
 def run(args, console: Console) -> Tally:
-    if args.topk > args.resident:
-        raise SystemExit(f"--topk ({args.topk}) must not exceed --resident ({args.resident})")
     rng = np.random.default_rng(args.seed)
     kv = make_cache(args)
     hot = HotBuffer(kv, args.resident, args.page_tokens)
@@ -325,12 +297,47 @@ def report(args, tally: Tally, seconds: float, console: Console) -> bool:
     return ok
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmove demo", description=__doc__)
+    return demo_options.build_parser(parser)
+
+
 def main(argv=None) -> int:
-    return run_main(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    demo_options.check(parser, args)
+    return run_main(args, parser)
 
 
-def run_main(args: argparse.Namespace) -> int:
+def settle_device(parser: argparse.ArgumentParser, args) -> None:
+    """``--device``: a torch device this machine has (``parser.error`` otherwise)."""
+    on_gpu = torch.cuda.is_available()
+    if args.device is None:
+        args.device = "cuda" if on_gpu else "cpu"
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device: {args.device!r} is not a torch device (e.g. cpu, cuda:0)")
+    if device.type == "cuda":
+        if not on_gpu:
+            parser.error(f"--device {args.device}: CUDA is not available on this machine "
+                         "(use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"--device {args.device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        parser.error(f"--device {args.device}: the demo runs on cpu or cuda")
+
+
+def run_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    parser = parser or build_parser()
+    settle_device(parser, args)
+    demo_options.settle_defaults(parser, args, on_gpu=torch.device(args.device).type == "cuda")
     console = Console()
+    if args.processes > 1:
+        from kvmove import cluster_demo
+
+        return cluster_demo.run_main(args, console)
     t0 = time.perf_counter()
     try:
         tally = run(args, console)

@@ -54,9 +54,15 @@ from kvmove.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EmbeddedMaster", "find_master_binary", "tcp_reachable"]
+__all__ = ["DEFAULT_CLIENT_TTL_S", "EmbeddedMaster", "find_master_binary", "master_argv",
+           "tcp_reachable"]
 
 BINARY_ENV = "KVMOVE_MOONCAKE_MASTER"  # explicit path to a mooncake_master binary
+# Seconds the master keeps a client that stopped sending heartbeats (Mooncake's
+# --client_ttl, 10 s by default). Then it unmounts the client's segment: the replicas there
+# are dropped, so reads go to surviving replicas (or answer MISS) instead of FAILED. Clients
+# send a heartbeat about every second, so 5 s leaves room for a loaded machine.
+DEFAULT_CLIENT_TTL_S = 5
 _PR_SET_PDEATHSIG = 1
 _PORT_ATTEMPTS = 3
 
@@ -156,6 +162,32 @@ class _Spawner:
                 done.set_result(subprocess.Popen(argv, **kwargs))
             except BaseException as e:  # handed to the caller
                 done.set_exception(e)
+
+
+def master_argv(binary: str, *, host: str, rpc_port: int, metrics_port: int,
+                client_ttl_s: int | None = DEFAULT_CLIENT_TTL_S,
+                kv_lease_ttl_ms: int | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """The ``mooncake_master`` command line: RPC and metrics on ``host``, logs to stderr."""
+    argv = [
+        binary,
+        f"--rpc_port={rpc_port}",
+        f"--rpc_address={host}",
+        f"--metrics_port={metrics_port}",
+        f"--metrics_host={host}",
+        "--logtostderr",
+    ]
+    if client_ttl_s is not None:
+        argv.append(f"--client_ttl={client_ttl_s}")
+    if kv_lease_ttl_ms is not None:
+        argv.append(f"--default_kv_lease_ttl={kv_lease_ttl_ms}")
+    argv.extend(extra_args)
+    return argv
+
+
+def _check_positive_int(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value <= 0):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _free_ports(host: str, count: int) -> list[int]:
@@ -291,7 +323,10 @@ class EmbeddedMaster:
     """A ``mooncake_master`` child process listening on free loopback ports.
 
     ``kv_lease_ttl_ms``: how long a read leases an object against removal (Mooncake's
-    ``--default_kv_lease_ttl``, 10 s by default). ``extra_args``: more ``--flag=value``
+    ``--default_kv_lease_ttl``, 10 s by default). ``client_ttl_s``: seconds without a
+    heartbeat after which the master drops a client and the replicas on its segment
+    (Mooncake's ``--client_ttl``; :data:`DEFAULT_CLIENT_TTL_S` here, ``None`` for
+    Mooncake's 10 s). ``extra_args``: more ``--flag=value``
     arguments. ``start_timeout``: seconds to wait for the RPC port. ``keep_log``: keep the
     log file after a clean stop (it is always kept when the start fails).
 
@@ -302,6 +337,7 @@ class EmbeddedMaster:
         self,
         *,
         kv_lease_ttl_ms: int | None = None,
+        client_ttl_s: int | None = DEFAULT_CLIENT_TTL_S,
         extra_args: Sequence[str] = (),
         start_timeout: float = 15.0,
         stop_timeout: float = 5.0,
@@ -309,11 +345,8 @@ class EmbeddedMaster:
         binary: str | None = None,
         host: str = "127.0.0.1",
     ):
-        if kv_lease_ttl_ms is not None and (
-            isinstance(kv_lease_ttl_ms, bool) or not isinstance(kv_lease_ttl_ms, int)
-            or kv_lease_ttl_ms <= 0
-        ):
-            raise ValueError(f"kv_lease_ttl_ms must be a positive int, got {kv_lease_ttl_ms!r}")
+        _check_positive_int("kv_lease_ttl_ms", kv_lease_ttl_ms)
+        _check_positive_int("client_ttl_s", client_ttl_s)
         if isinstance(extra_args, str) or not all(isinstance(a, str) for a in extra_args):
             raise TypeError(f"extra_args must be a sequence of str, got {extra_args!r}")
         self.host = host
@@ -330,17 +363,9 @@ class EmbeddedMaster:
         _LIVE.add(self)
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             self.rpc_port, self.metrics_port = _free_ports(host, 2)
-            argv = [
-                self.binary,
-                f"--rpc_port={self.rpc_port}",
-                f"--rpc_address={host}",
-                f"--metrics_port={self.metrics_port}",
-                f"--metrics_host={host}",
-                "--logtostderr",
-            ]
-            if kv_lease_ttl_ms is not None:
-                argv.append(f"--default_kv_lease_ttl={kv_lease_ttl_ms}")
-            argv.extend(extra_args)
+            argv = master_argv(self.binary, host=host, rpc_port=self.rpc_port,
+                               metrics_port=self.metrics_port, client_ttl_s=client_ttl_s,
+                               kv_lease_ttl_ms=kv_lease_ttl_ms, extra_args=extra_args)
             self.argv = argv
             if self._start(argv, start_timeout, last_attempt=attempt == _PORT_ATTEMPTS):
                 break

@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from kvmove.descriptors import Descriptors, check_keys
-from kvmove.embedded_master import EmbeddedMaster, tcp_reachable
+from kvmove.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
 from kvmove.errors import StoreError
 from kvmove.status import (
     CLIENT_EXCEPTION,
@@ -209,7 +209,7 @@ class MooncakeStore:
         from mooncake.store import ReplicateConfig
 
         self._replicate = ReplicateConfig()
-        self._replicate.replica_num = self.config.replica_count
+        self._replicate.replica_num = self.config.replicas
 
     # -- opening ---------------------------------------------------------------------------
     @staticmethod
@@ -270,18 +270,24 @@ class MooncakeStore:
         cls,
         *,
         kv_lease_ttl_ms: int | None = None,
+        client_ttl_s: int | None = DEFAULT_CLIENT_TTL_S,
         master_args: Sequence[str] = (),
         **overrides,
     ) -> MooncakeStore:
         """Start a private ``mooncake_master`` on free loopback ports and join it over TCP
         (``P2PHANDSHAKE``); ``close()`` stops the master. ``overrides`` set
         :class:`~kvmove.StoreConfig` fields (default segment 1 GiB, see
-        ``EMBEDDED_DEFAULTS``); ``kv_lease_ttl_ms`` and ``master_args`` go to the master."""
+        ``EMBEDDED_DEFAULTS``), ``replicas=2`` among them; ``kv_lease_ttl_ms``,
+        ``client_ttl_s`` (how long the master keeps a client that stopped answering,
+        :class:`kvmove.EmbeddedMaster`) and ``master_args`` go to the master. Other
+        processes join the same master with ``MooncakeStore(StoreConfig(master_address=
+        store.address))``."""
         if "master_address" in overrides:
             raise ValueError("embedded() starts its own master; do not pass master_address")
         values = {**EMBEDDED_DEFAULTS, **overrides}
         StoreConfig.from_dict({**values, "master_address": "127.0.0.1:1"})  # validate first
-        master = EmbeddedMaster(kv_lease_ttl_ms=kv_lease_ttl_ms, extra_args=master_args)
+        master = EmbeddedMaster(kv_lease_ttl_ms=kv_lease_ttl_ms, client_ttl_s=client_ttl_s,
+                                extra_args=master_args)
         try:
             return cls(StoreConfig.from_dict({**values, "master_address": master.address}),
                        _master=master)

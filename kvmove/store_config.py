@@ -14,6 +14,7 @@ variable                                  field                       default
 ``MOONCAKE_GLOBAL_SEGMENT_SIZE``          ``global_segment_size``     4 GiB
 ``MOONCAKE_LOCAL_BUFFER_SIZE``            ``local_buffer_size``       16 MiB
 ``MOONCAKE_LOCAL_HOSTNAME``               ``local_hostname``          ``localhost``
+``KVMOVE_REPLICAS``                       ``replicas``                1
 ========================================  ==========================  =====================
 
 Sizes are plain byte counts or numbers with a unit, as SGLang and Mooncake accept them:
@@ -58,10 +59,12 @@ ENV_VARS = {
     "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+    "KVMOVE_REPLICAS": "replicas",
 }
 
 # Mooncake's own JSON config names (MOONCAKE_CONFIG_PATH files) -> field.
-_ALIASES = {"master_server_address": "master_address", "device_name": "rdma_devices"}
+_ALIASES = {"master_server_address": "master_address", "device_name": "rdma_devices",
+            "replica_count": "replicas", "replica_num": "replicas"}
 
 
 def parse_size(value, name: str = "size") -> int:
@@ -119,7 +122,11 @@ class StoreConfig:
     ``local_hostname``: the address other clients reach this one at.
     ``global_segment_size``: bytes this client contributes to the store (0 = none).
     ``local_buffer_size``: Mooncake's client-side bounce buffer (the zero-copy calls that
-    kvmove uses do not need a large one). ``replica_count``: replicas per object.
+    kvmove uses do not need a large one). ``replicas``: on how many segments (clients)
+    every object is stored (Mooncake's ``ReplicateConfig.replica_num``): with 2, the death
+    of one engine process loses no page once the master has dropped it (README,
+    "Clusters"). Replicas go to distinct segments; with fewer live segments than
+    ``replicas``, Mooncake 0.3.13 stores as many as there are and answers ``OK``.
 
     kvmove's own knobs: ``connect_timeout`` (seconds a plain TCP probe of the master may
     take before :class:`kvmove.StoreError`; Mooncake's ``setup()`` alone would retry for
@@ -137,7 +144,7 @@ class StoreConfig:
     local_hostname: str = "localhost"
     global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
-    replica_count: int = 1
+    replicas: int = 1
     connect_timeout: float = 5.0
     max_batch_keys: int = 1024
     detect_exists: bool = True
@@ -177,7 +184,7 @@ class StoreConfig:
                 )
         for name in ("global_segment_size", "local_buffer_size"):
             set_(self, name, parse_size(getattr(self, name), name))
-        for name in ("replica_count", "max_batch_keys"):
+        for name in ("replicas", "max_batch_keys"):
             value = getattr(self, name)
             if isinstance(value, str) and value.strip().isdigit():
                 value = int(value)
@@ -267,8 +274,14 @@ class StoreConfig:
             return _parse_address(raw, var)
         return raw.strip()
 
+    @property
+    def replica_count(self) -> int:
+        """The same as ``replicas`` (its earlier name)."""
+        return self.replicas
+
     def replace(self, **changes) -> StoreConfig:
         """A copy with ``changes`` applied (validated)."""
+        changes = {_ALIASES.get(k, k): v for k, v in changes.items()}
         unknown = set(changes) - set(self.fields())
         if unknown:
             raise ValueError(f"unknown store config field(s) {sorted(unknown)}")

@@ -11,6 +11,7 @@ import torch
 
 import kvmove
 from kvmove import mover as mover_module
+from kvmove.status import BAD_ROWS, STAGING_TIMEOUT
 from tests.caches import make_layers, snapshot, write_random
 
 GEOMETRIES = {
@@ -288,7 +289,7 @@ def test_a_later_piece_without_slots_fails_its_keys_and_keeps_the_rows(make_move
         release.set()
     result = t.result(30)
     assert result.statuses == [kvmove.Status.OK] * 2 + [kvmove.Status.FAILED]
-    assert result.codes[2] == kvmove.status.STAGING_TIMEOUT
+    assert result.codes[2] == STAGING_TIMEOUT
     assert mover.staging.num_free == 2
 
 
@@ -329,7 +330,7 @@ def test_unchecked_calls_fail_the_keys_with_bad_rows_and_only_those(make_mover, 
     pages = torch.tensor([[0, 1, 2, 3], [4, 5, 99, 7], [8, 9, 10, 11]])  # 99: past 32 slots
     result = mover.evict(keys, pages).result(30)
     assert result.statuses == [kvmove.Status.OK, kvmove.Status.FAILED, kvmove.Status.OK]
-    assert result.codes[1] == kvmove.status.BAD_ROWS
+    assert result.codes[1] == BAD_ROWS
     assert mover.store.exists(mover.keyspace.store_keys(keys)) == [True, False, True]
     # Prefetch: a key whose destination page has a bad row FAILED, its rows untouched; the
     # others land.
@@ -337,7 +338,7 @@ def test_unchecked_calls_fail_the_keys_with_bad_rows_and_only_those(make_mover, 
     got = mover.prefetch([keys[0], keys[2], keys[2] + "-again"], dest[[0, 1, 2]]).result(30)
     assert got.statuses == [kvmove.Status.OK, kvmove.Status.OK, kvmove.Status.MISS]
     bad = mover.prefetch([keys[2]], dest[2:]).result(30)
-    assert bad.statuses == [kvmove.Status.FAILED] and bad.codes == [kvmove.status.BAD_ROWS]
+    assert bad.statuses == [kvmove.Status.FAILED] and bad.codes == [BAD_ROWS]
     for n in kv.buffer_names:
         for layer in range(kv.num_layers(n)):
             t = kv.layer(n, layer)

@@ -134,7 +134,9 @@ def test_from_dict_and_coerce():
     assert c.master_address == "h:2" and c.rdma_devices == "mlx5_0"
     assert c.global_segment_size == 1 << 30
     assert StoreConfig.coerce(c) is c
-    assert c.replace(replica_count=2).replica_count == 2
+    assert c.replace(replicas=2).replicas == 2
+    assert c.replace(replica_count=3).replica_count == 3  # the earlier name still reads
+    assert StoreConfig.from_dict({"master_address": "h:2", "replica_num": 2}).replicas == 2
     with pytest.raises(ValueError, match="unknown store config field 'segment'"):
         StoreConfig.from_dict({"master_address": "h:2", "segment": 1})
     with pytest.raises(ValueError, match="needs 'master_address'"):
@@ -145,9 +147,17 @@ def test_from_dict_and_coerce():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("replica_count", 0), ("max_batch_keys", -3), ("connect_timeout", 0),
+    [("replicas", 0), ("replicas", "two"), ("max_batch_keys", -3), ("connect_timeout", 0),
      ("protocol", " "), ("local_buffer_size", "big"), ("detect_exists", "yes")],
 )
 def test_bad_fields_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         StoreConfig(master_address="h:1", **{field: value})
+
+
+def test_replicas_from_the_environment():
+    env = {"MOONCAKE_MASTER": "h:1", "KVMOVE_REPLICAS": "2"}
+    assert StoreConfig.from_env(env).replicas == 2
+    assert StoreConfig.from_env({"MOONCAKE_MASTER": "h:1"}).replicas == 1
+    with pytest.raises(ValueError, match="KVMOVE_REPLICAS: replicas must be a positive int"):
+        StoreConfig.from_env({**env, "KVMOVE_REPLICAS": "0"})

@@ -28,13 +28,16 @@ log = logging.getLogger(__name__)
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
         prog="kvmove tune", description="Autotune kvmove's row-copy kernel for this GPU.")
-    parser.add_argument("--direction", nargs="+", choices=DIRECTIONS, default=list(DIRECTIONS))
+    parser.add_argument("--direction", nargs="+", choices=DIRECTIONS, default=list(DIRECTIONS),
+                        help="copy directions to tune (default: all)")
     parser.add_argument("--row-bytes", nargs="+", type=int,
                         default=list(CLASS_ROW_BYTES.values()),
                         help="row sizes to tune on (one per row-size class by default)")
     parser.add_argument("--page-tokens", nargs="+", type=int,
-                        default=list(CLASS_PAGE_TOKENS.values()))
-    parser.add_argument("--layers", type=int, default=8)
+                        default=list(CLASS_PAGE_TOKENS.values()),
+                        help="tokens per page to tune on (one per page class by default)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="layers of the cache tuned on (default 8)")
     parser.add_argument("--max-programs", type=int, default=configs.DEFAULT_MAX_PROGRAMS,
                         help="largest programs cap to try (the engine needs the other SMs)")
     parser.add_argument("--quick", action="store_true",

@@ -1,0 +1,101 @@
+"""The options of ``kvmove demo`` and their checks. Imports no torch, so that ``kvmove
+--help`` stays fast: defaults that depend on the machine (GPU or not) are ``None`` here and
+are settled by :func:`settle_defaults` once torch is loaded."""
+
+from __future__ import annotations
+
+import argparse
+
+# Defaults as (with a GPU, without one).
+MACHINE_DEFAULTS = {
+    "page_tokens": (64, 16),
+    "pages": (4096, 400),
+    "resident": (1024, 64),
+    "topk": (32, 16),
+    "steps": (400, 200),
+}
+PROCESS_DEFAULTS = {"pages": 256, "page_tokens": 16, "layers": 8}
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--layers", type=int, default=None,
+                   help="KV layers (default 61, DSA-like; 8 with --processes)")
+    p.add_argument("--indexer-layers", type=int, default=None,
+                   help="indexer layers (default: same as --layers; 0 = no indexer buffer)")
+    p.add_argument("--page-tokens", type=int, default=None,
+                   help="tokens per page (default 64 with a GPU, 16 without)")
+    p.add_argument("--pages", type=int, default=None,
+                   help="logical pages in the sequence (default 4096 with a GPU, 400 without; "
+                        "256 with --processes)")
+    p.add_argument("--resident", type=int, default=None,
+                   help="pages that fit in the device hot buffer (default 1024 with a GPU, "
+                        "64 without)")
+    p.add_argument("--topk", type=int, default=None,
+                   help="pages attention selects per step (default 32 with a GPU, 16 without)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="decode steps (default 400 with a GPU, 200 without)")
+    p.add_argument("--staging-slots", type=int, default=None,
+                   help="staging pages, at least --topk (default: enough for one step)")
+    p.add_argument("--backend", choices=["auto", "triton", "torch", "two_hop"], default="auto",
+                   help="row-copy backend (auto: Triton on CUDA, torch on the CPU)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="prefetch layer by layer (wait_layer) instead of all layers at once")
+    p.add_argument("--master", default=None,
+                   help="host:port of an existing Mooncake master (other settings from "
+                        "MOONCAKE_* variables); default: start an embedded master")
+    p.add_argument("--processes", type=int, default=1,
+                   help="engine processes (default 1). 2 or more: the prefill/decode shape, "
+                        "one process evicts the pages it prefilled and the others prefetch "
+                        "and verify them through one master")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replicas of every stored page (default 1; see README 'Clusters')")
+    p.add_argument("--seed", type=int, default=0, help="seed of the top-k selection")
+    p.add_argument("--device", default=None,
+                   help="torch device of the KV cache (default cuda with a GPU, else cpu)")
+    return p
+
+
+def check(parser: argparse.ArgumentParser, args) -> None:
+    """``parser.error`` (a one-line message naming the option, exit 2) for values the demo
+    cannot run with. Values still ``None`` are checked after :func:`settle_defaults`."""
+    positive = ("layers", "page_tokens", "pages", "resident", "topk", "processes", "replicas")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("indexer_layers", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative, got {value}")
+    if args.processes > 64:
+        parser.error(f"--processes must be at most 64, got {args.processes}")
+    if args.layerwise and args.processes > 1:
+        parser.error("--layerwise applies to the single-process demo (--processes 1)")
+    if args.topk is not None and args.resident is not None and args.topk > args.resident:
+        parser.error(f"--topk ({args.topk}) must not exceed --resident ({args.resident})")
+    if args.staging_slots is not None:
+        topk = args.topk if args.topk is not None else 1
+        if args.staging_slots < topk:
+            parser.error(f"--staging-slots must be at least --topk ({topk}): one step moves "
+                         f"up to --topk pages at once, got {args.staging_slots}")
+    if args.master is not None:
+        from kvmove.store_config import StoreConfig
+
+        try:
+            StoreConfig(master_address=args.master)
+        except ValueError as e:
+            parser.error(f"--master: {e}")
+
+
+def settle_defaults(parser: argparse.ArgumentParser, args, on_gpu: bool) -> None:
+    """Fill the machine-dependent defaults, then check again."""
+    for name, (gpu, cpu) in MACHINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            value = PROCESS_DEFAULTS.get(name) if args.processes > 1 else None
+            setattr(args, name, value or (gpu if on_gpu else cpu))
+    if args.layers is None:
+        args.layers = PROCESS_DEFAULTS["layers"] if args.processes > 1 else 61
+    if args.topk > args.resident:  # a default against a value given: keep the given one
+        args.topk = args.resident
+    check(parser, args)
