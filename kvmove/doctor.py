@@ -149,8 +149,8 @@ def check_tuned(gpu_name: str | None) -> list[Finding]:
     if gpu_name is None:
         return [Finding("tuned table", "no GPU: the Triton kernels are not used", "note")]
     try:
-        from kvmove.rows.launch_config import cache_path
         from kvmove.kernels import configs
+        from kvmove.rows.launch_config import cache_path
     except Exception as e:
         return [Finding("tuned table", f"cannot look: {e}", "note")]
     shipped = configs.TUNED_DIR / f"{configs.gpu_slug(gpu_name)}.json"
