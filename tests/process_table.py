@@ -26,8 +26,19 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     return not alive(pid)
 
 
-def mooncake_masters() -> dict[int, list[str]]:
-    """``{pid: argv}`` of every live ``mooncake_master`` process on the machine."""
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (field 4 of ``/proc/<pid>/stat``), or None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def mooncake_masters(children_of: int | None = None) -> dict[int, list[str]]:
+    """``{pid: argv}`` of every live ``mooncake_master`` process on the machine (only the
+    children of ``children_of``, when given: other processes may run masters of their
+    own meanwhile)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -38,7 +49,8 @@ def mooncake_masters() -> dict[int, list[str]]:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:
             continue
-        if argv and os.path.basename(argv[0]) == "mooncake_master" and alive(pid):
+        if argv and os.path.basename(argv[0]) == "mooncake_master" and alive(pid) and (
+                children_of is None or parent_of(pid) == children_of):
             found[pid] = argv
     return found
 

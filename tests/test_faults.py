@@ -103,7 +103,7 @@ def test_master_killed_mid_batch_then_restarted_on_the_same_address(
     # before the native thread count is taken.
     threads_before = {t.name for t in threading.enumerate()}
     natives_before = native_threads()
-    masters_before = set(mooncake_masters())
+    masters_before = set(mooncake_masters(children_of=os.getpid()))
     s = kvmove.MooncakeStore.embedded(global_segment_size="16mb", max_batch_keys=4)
     port = s.master.rpc_port
     kv = hybrid(160)
@@ -173,7 +173,7 @@ def test_master_killed_mid_batch_then_restarted_on_the_same_address(
     # Nothing leaked: registrations, the master process, Python and native threads.
     assert s.registered_regions == []
     assert wait_gone(pid, 10) and masters_on_port(port) == []
-    assert set(mooncake_masters()) <= masters_before
+    assert set(mooncake_masters(children_of=os.getpid())) <= masters_before
     assert {t.name for t in threading.enumerate()} <= threads_before
     assert native_threads() <= natives_before + 2  # Mooncake's pools are process-wide
 
