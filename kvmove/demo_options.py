@@ -80,7 +80,7 @@ def check(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--staging-slots must be at least --topk ({topk}): one step moves "
                          f"up to --topk pages at once, got {args.staging_slots}")
     if args.master is not None:
-        from kvmove.store_config import StoreConfig
+        from kvmove.store.config import StoreConfig
 
         try:
             StoreConfig(master_address=args.master)

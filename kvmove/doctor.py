@@ -111,8 +111,8 @@ def check_mooncake() -> list[Finding]:
         found.append(Finding("Mooncake", f"import mooncake.store fails: {e}", "problem",
                              "see libibverbs below; on a CUDA wheel without a driver use "
                              "mooncake-transfer-engine-non-cuda"))
-    from kvmove.embedded_master import find_master_binary
     from kvmove.errors import StoreError
+    from kvmove.store.embedded_master import find_master_binary
 
     try:
         found.append(Finding("Mooncake", f"mooncake_master: {find_master_binary()}"))
@@ -163,8 +163,8 @@ def check_tuned(gpu_name: str | None) -> list[Finding]:
 
 
 def check_master(address: str | None, timeout: float) -> list[Finding]:
-    from kvmove.embedded_master import tcp_reachable
-    from kvmove.store_config import StoreConfig
+    from kvmove.store.config import StoreConfig
+    from kvmove.store.embedded_master import tcp_reachable
 
     try:
         if address is not None:

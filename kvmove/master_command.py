@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 
-from kvmove.embedded_master import (
+from kvmove.errors import StoreError
+from kvmove.store.embedded_master import (
     DEFAULT_CLIENT_TTL_S,
     _die_with_parent,
     _free_ports,
@@ -25,7 +26,6 @@ from kvmove.embedded_master import (
     master_argv,
     tcp_reachable,
 )
-from kvmove.errors import StoreError
 
 DEFAULT_PORT = 50051  # Mooncake's own default RPC port
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

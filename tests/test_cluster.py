@@ -24,7 +24,7 @@ import pytest
 
 import kvmove
 from kvmove.cluster_node import ClusterNode, NodeProcess
-from kvmove.embedded_master import DEFAULT_CLIENT_TTL_S
+from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S
 
 pytestmark = pytest.mark.store
 

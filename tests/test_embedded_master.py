@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from kvmove.embedded_master import EmbeddedMaster, tcp_reachable
 from kvmove.errors import StoreError
+from kvmove.store.embedded_master import EmbeddedMaster, tcp_reachable
 
 pytestmark = pytest.mark.store
 
@@ -59,7 +59,7 @@ def test_master_never_outlives_its_process(ending):
     # The master is spawned from a short-lived thread, which must not matter.
     script = textwrap.dedent(f"""
         import os, signal, sys, threading
-        from kvmove.embedded_master import EmbeddedMaster
+        from kvmove.store.embedded_master import EmbeddedMaster
         box = []
         t = threading.Thread(target=lambda: box.append(EmbeddedMaster()))
         t.start(); t.join()

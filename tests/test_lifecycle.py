@@ -476,7 +476,7 @@ def test_an_application_sigterm_handler_is_kept():
         def mine(signum, frame):
             pass
         signal.signal(signal.SIGTERM, mine)
-        from kvmove.embedded_master import EmbeddedMaster
+        from kvmove.store.embedded_master import EmbeddedMaster
         with EmbeddedMaster():
             assert signal.getsignal(signal.SIGTERM) is mine
         print("kept")

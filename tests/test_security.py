@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmove.embedded_master import BINARY_ENV, EmbeddedMaster
 from kvmove.errors import StoreError
+from kvmove.store.embedded_master import BINARY_ENV, EmbeddedMaster
 from tests.process_table import listening_addresses
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import torch
 
 import kvmove
 from kvmove import Status
-from kvmove.store import StoreResult
+from kvmove.store.mooncake_store import StoreResult
 from tests.conftest import LEASE_MS
 from tests.staging_data import GEOMETRIES, canonical, make_staging, page
 

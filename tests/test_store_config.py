@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvmove import MooncakeStore, StoreConfig
-from kvmove.store_config import parse_size
+from kvmove.store.config import parse_size
 
 
 def test_from_env_reads_sglang_names():

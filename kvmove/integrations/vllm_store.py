@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from kvmove.store_config import DEFAULT_GLOBAL_SEGMENT_SIZE, StoreConfig, parse_size
+from kvmove.store.config import DEFAULT_GLOBAL_SEGMENT_SIZE, StoreConfig, parse_size
 
 # vLLM's defaults for fields its JSON leaves out (vllm/distributed/mooncake_store.py).
 _VLLM_DEFAULT_PROTOCOL = "rdma"

@@ -69,7 +69,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from kvmove.descriptors import Descriptors, check_keys
-from kvmove.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
 from kvmove.errors import StoreError
 from kvmove.status import (
     CLIENT_EXCEPTION,
@@ -85,7 +84,8 @@ from kvmove.status import (
     Status,
     code_name,
 )
-from kvmove.store_config import StoreConfig
+from kvmove.store.config import StoreConfig
+from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
 
 log = logging.getLogger(__name__)
 
