@@ -44,13 +44,15 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
     return value
 
 
-def _values(rows: torch.Tensor | np.ndarray):
-    """The flat values of an index tensor: a numpy view on the CPU (small arrays cost a
-    fraction of what torch ops do per call), the tensor itself on a device."""
+def _values(rows: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The flat values of a CPU index tensor, as a numpy view (small arrays cost a fraction
+    of what torch ops do per call). The checks here run on the host only: a device tensor
+    would have to be waited for, so callers leave those to the kernel's error counter."""
     if isinstance(rows, np.ndarray):
         return rows.reshape(-1)
-    flat = rows.reshape(-1)
-    return flat.numpy() if flat.device.type == "cpu" else flat
+    if rows.device.type != "cpu":
+        raise TypeError(f"host-side index check of a tensor on {rows.device}")
+    return rows.reshape(-1).numpy()
 
 
 def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
@@ -61,9 +63,7 @@ def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
     a = _values(rows)
     if int(a.min()) >= -1 and int(a.max()) < limit:
         return
-    bad = (a < -1) | (a >= limit)
-    pos = int(np.flatnonzero(bad)[0]) if isinstance(a, np.ndarray) else int(
-        torch.nonzero(bad)[0, 0])
+    pos = int(np.flatnonzero((a < -1) | (a >= limit))[0])
     raise IndexError(
         f"{name}[{pos}] = {int(a[pos])} is out of range: valid values are -1 "
         f"(skip) and 0..{limit - 1}"
@@ -75,35 +75,23 @@ def check_unique(rows: torch.Tensor | np.ndarray, name: str, *, page_tokens: int
     ``rows`` may be page numbers of whole pages of ``page_tokens`` rows (the message names
     the page's first row)."""
     a = _values(rows)
-    if a.shape[0] < 2:
+    if a.shape[0] < 2 or bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
         return
-    if isinstance(a, np.ndarray):
-        if bool((a[1:] > a[:-1]).all()):  # strictly increasing: the common case, no sort
-            return
-        kept = np.sort(a[a >= 0])
-        dups = kept[1:][kept[1:] == kept[:-1]]
-        dup = int(dups[0]) if dups.size else None
-    else:
-        uniq, counts = torch.unique(a[a >= 0], return_counts=True)
-        dup = int(uniq[counts > 1][0]) if bool((counts > 1).any()) else None
-    if dup is not None:
-        raise ValueError(f"{name} names row/slot {dup * page_tokens} more than once; "
-                         "destinations must be unique")
+    kept = np.sort(a[a >= 0])
+    dups = kept[1:][kept[1:] == kept[:-1]]
+    if dups.size:
+        raise ValueError(f"{name} names row/slot {int(dups[0]) * page_tokens} more than "
+                         "once; destinations must be unique")
 
 
 def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """Within one pool, no row is both read and written (``-1`` excepted): the result would
     depend on the order of the copies."""
     a, b = _values(src_rows), _values(dst_rows)
-    if isinstance(a, np.ndarray):
-        shared = np.intersect1d(a[a >= 0], b[b >= 0])
-        row = int(shared[0]) if shared.size else None
-    else:
-        hits = b[(b >= 0) & torch.isin(b, a)]
-        row = int(hits[0]) if hits.numel() else None
-    if row is not None:
-        raise ValueError(f"src_rows and dst_rows both name row {row} of the same pool: a copy "
-                         "within one pool must not write a row it reads")
+    shared = np.intersect1d(a[a >= 0], b[b >= 0])
+    if shared.size:
+        raise ValueError(f"src_rows and dst_rows both name row {int(shared[0])} of the same "
+                         "pool: a copy within one pool must not write a row it reads")
 
 
 def page_rows(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
