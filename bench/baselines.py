@@ -82,8 +82,12 @@ def primitive_units(w: Workload, case: Case) -> Method | None:
     n, unit_bytes = len(units), unit * w.row_bytes
     kv = [w.kv_layer(layer).view(-1, unit_bytes) for layer in range(case.layers)]
     st = [w.staging_layer(layer).view(-1, unit_bytes)[:n] for layer in range(case.layers)]
-    wide = shared_wide_type(w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"], unit)
+    kv_rows, st_rows = w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"]
+    wide = shared_wide_type(kv_rows, st_rows, unit)
     first = int(units[0])
+    stacked = _stacked_calls(kv_rows, st_rows, case, unit, units, wide, first)
+    if stacked is not None:
+        return stacked, case.nbytes
     if torch.equal(units, torch.arange(first, first + n)):  # run to run (staging is one)
         pairs = [(k[first:first + n].view(wide), s.view(wide)) for k, s in zip(kv, st,
                                                                                strict=True)]
@@ -107,6 +111,24 @@ def primitive_units(w: Workload, case: Case) -> Method | None:
             for k, s in pairs:
                 k.index_copy_(0, units, s)
     return run, case.nbytes
+
+
+def _stacked_calls(kv_rows, st_rows, case: Case, unit: int, units: torch.Tensor, wide,
+                   first: int):
+    """The torch backend's one call for every layer, made plainly, where both sides' layers
+    are one evenly spaced view (:meth:`BufferRows.stacked_units`); None elsewhere."""
+    layers = tuple(range(case.layers))
+    kv3, st3 = kv_rows.stacked_units(layers, unit, wide), st_rows.stacked_units(layers, unit, wide)
+    if kv3 is None or st3 is None:
+        return None
+    n = len(units)
+    if torch.equal(units, torch.arange(first, first + n)):  # run to run
+        k, st = kv3[:, first:first + n], st3[:, :n]
+        return (lambda: st.copy_(k)) if case.direction == "gather" else (lambda: k.copy_(st))
+    st = st3[:, :n]
+    if case.direction == "gather":
+        return lambda: torch.index_select(kv3, 1, units, out=st)
+    return lambda: kv3.index_copy_(1, units, st)
 
 
 def _spans(w: Workload, case: Case, per: str, max_calls: int):

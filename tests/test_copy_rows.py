@@ -300,3 +300,38 @@ def test_nan_bit_patterns_survive_the_wide_copies():
     kvmove.scatter(staging, torch.tensor([2, 0]), other, pages + 16, backend="torch")
     copied, source = other.layer("kv", 0), kv.layer("kv", 0)
     assert torch.equal(copied[24:28], source[8:12]) and torch.equal(copied[16:20], source[0:4])
+
+
+@pytest.mark.parametrize("layers", [None, 2, [0, 2], [0, 1, 3]])
+@pytest.mark.parametrize("pad", [0, 24])
+def test_stacked_caches_move_every_layer_in_one_view(layers, pad):
+    """A cache given as one stacked tensor (rows padded or not) moves every selected layer
+    through one 3-D view where the layers are evenly spaced, per layer where they are not:
+    the bytes are the same either way."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randint(0, 256, (4, 96, 656 + pad), dtype=torch.uint8, generator=g)
+    kv = kvmove.KVCache({"kv": full[:, :, :656]})
+    staging = kvmove.StagingBuffer(kv, num_slots=8, page_tokens=4)
+    fill_random(staging, seed=5)
+    chosen = range(4) if layers is None else ([layers] if isinstance(layers, int) else layers)
+    evenly = len({b - a for a, b in zip(chosen, list(chosen)[1:], strict=False)}) <= 1
+    view = kv.row_pool.buffers["kv"].stacked_units(tuple(chosen), 1, torch.uint8)
+    assert (view is not None) == evenly  # the one-view path is taken where it can be
+    # Consecutive pages into consecutive slots (run to run), scattered pages into a run,
+    # and a scatter back to scattered rows (element-wise).
+    kvmove.copy_rows(kv, torch.arange(8, 24), staging, torch.arange(0, 16), layers=layers)
+    rows = torch.tensor([50, 3, 77, 12, 90, 61])
+    kvmove.copy_rows(kv, rows, staging, torch.arange(16, 22), layers=layers)
+    for layer in range(4):
+        st = staging.tensor("kv")[layer].view(-1, 656)
+        if layer in chosen:
+            assert torch.equal(st[0:16], full[layer, 8:24, :656])
+            assert torch.equal(st[16:22], full[layer, rows, :656])
+    before = full.clone()
+    back = torch.tensor([5, 40, 41, 88, 30, 31])
+    kvmove.copy_rows(staging, torch.arange(16, 22), kv, back, layers=layers)
+    for layer in range(4):
+        want = before[layer].clone()
+        if layer in chosen:
+            want[back, :656] = before[layer, rows, :656]
+        assert torch.equal(full[layer], want)  # the padding between rows untouched too

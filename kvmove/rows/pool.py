@@ -8,6 +8,7 @@ pool whose rows are ``slot * page_tokens + t``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -94,6 +95,34 @@ class BufferRows:
                 views = tuple(v.view(dtype) for v in views)
             self._tables[key] = views
         return views
+
+    def stacked_units(self, layers: tuple[int, ...], unit: int, dtype: torch.dtype
+                      ) -> torch.Tensor | None:
+        """The units of ``layers`` (see :meth:`unit_views`) as one 3-D view ``[len(layers),
+        units, unit bytes / itemsize]``, where those layers lie evenly spaced, without
+        overlap, in one storage (every staging buffer; a cache given as one stacked tensor):
+        one torch call then moves every layer, with one parallel region instead of one per
+        layer. None otherwise (cached)."""
+        key = ("stacked", layers, unit, dtype)
+        if key in self._tables:
+            return self._tables[key]
+        views = self.unit_views(unit, dtype)
+        chosen = [views[i] for i in layers]
+        stacked = None
+        if chosen:
+            first = chosen[0]
+            offsets = [v.storage_offset() for v in chosen]
+            steps = {b - a for a, b in itertools.pairwise(offsets)}
+            step = steps.pop() if len(steps) == 1 else (0 if not steps else None)
+            extent = first.shape[0] * first.stride(0)
+            same = all(v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                       and v.stride() == first.stride() for v in chosen)
+            if same and step is not None and (len(chosen) == 1 or step >= extent):
+                stacked = first.as_strided((len(chosen), *first.shape),
+                                           (max(step, 1), *first.stride()),
+                                           first.storage_offset())
+        self._tables[key] = stacked
+        return stacked
 
     def run_views(self, unit: int, start: int, count: int, dtype: torch.dtype = torch.uint8
                   ) -> tuple[torch.Tensor, ...]:

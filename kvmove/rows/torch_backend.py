@@ -31,7 +31,7 @@ from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
 from kvmove.rows.pool import BufferRows, shared_wide_type
 
 
-def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
+def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,
                part: Part) -> None:
     """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
     m = len(part)
@@ -40,14 +40,22 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
     direct = src.device == dst.device and src is not dst
     d0 = part.run("dst") if direct else None
     s0 = part.run("src") if direct else None
-    if d0 is not None and s0 is not None:  # run to run: one copy per layer
-        wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
+    wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
+    if d0 is not None and s0 is not None:  # run to run: one copy per layer, or one in all
+        s3, d3 = src.stacked_units(layers, unit, wide), dst.stacked_units(layers, unit, wide)
+        if s3 is not None and d3 is not None:
+            d3[:, d0:d0 + m].copy_(s3[:, s0:s0 + m])
+            return
         dst_runs, src_runs = dst.run_views(unit, d0, m, wide), src.run_views(unit, s0, m, wide)
         for i in layers:
             dst_runs[i].copy_(src_runs[i])
         return
     s_idx = part.tensor("src", src.device)
     if d0 is not None:
+        s3, d3 = src.stacked_units(layers, unit, wide), dst.stacked_units(layers, unit, wide)
+        if s3 is not None and d3 is not None:  # into a run of every layer: one call
+            torch.index_select(s3, 1, s_idx, out=d3[:, d0:d0 + m])
+            return
         runs = dst.run_views(unit, d0, m)
         if runs[0].is_contiguous():  # into a run: a memcpy per unit
             views = src.unit_views(unit)
@@ -55,8 +63,13 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
                 torch.index_select(views[i], 0, s_idx, out=runs[i])
             return
     # Element-wise: in the widest element type both sides allow.
-    wide = shared_wide_type(src, dst, unit)
     d_idx = part.tensor("dst", dst.device)
+    d3 = dst.stacked_units(layers, unit, wide)
+    s3 = src.stacked_units(layers, unit, wide) if d3 is not None else None
+    if d3 is not None and s3 is not None:  # every layer in one call
+        taken = s3[:, s0:s0 + m] if s0 is not None else s3.index_select(1, s_idx)
+        d3.index_copy_(1, d_idx, taken.to(dst.device))
+        return
     dst_views = dst.unit_views(unit, wide)
     if s0 is not None:  # from a run
         taken = src.run_views(unit, s0, m, wide)
@@ -72,7 +85,7 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: list[int], unit: int,
 def copy_rows_torch(
     src: BufferRows,
     dst: BufferRows,
-    layers: list[int],
+    layers: tuple[int, ...],
     src_rows: torch.Tensor | None,
     dst_rows: torch.Tensor | None,
     errors: torch.Tensor | None,
@@ -84,6 +97,7 @@ def copy_rows_torch(
     the number of out-of-range rows to ``errors`` (unless None). ``plan``: the
     :class:`RowPlan` of these rows (then the row tensors are not read), when the caller
     shares one across buffers."""
+    layers = tuple(layers)
     if plan is None:
         plan = plan_rows(src_rows, dst_rows, src.num_rows, dst.num_rows, page_tokens)
     if errors is not None and plan.errors:
