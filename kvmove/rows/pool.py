@@ -124,6 +124,28 @@ class BufferRows:
         self._tables[key] = stacked
         return stacked
 
+    def stacked_run(self, layers: tuple[int, ...], unit: int, start: int, count: int,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+        """Units ``start .. start + count - 1`` of :meth:`stacked_units` (the views of the
+        runs used last are kept, as by :meth:`run_views`); None where there is no such
+        view."""
+        key = ("stacked", layers, unit, start, count, dtype)
+        with self._runs_lock:
+            view = self._runs.pop(key, None)
+        if view is None:
+            stacked = self.stacked_units(layers, unit, dtype)
+            if stacked is None:
+                return None
+            if start < 0 or count < 0 or start + count > stacked.shape[1]:
+                raise IndexError(f"buffer {self.name!r}: units {start}..{start + count - 1}"
+                                 f" of {unit} rows are outside its {stacked.shape[1]}")
+            view = stacked[:, start:start + count]
+        with self._runs_lock:
+            self._runs[key] = view  # now the most recent
+            while len(self._runs) > RUN_VIEWS_KEPT:
+                del self._runs[next(iter(self._runs))]  # the least recent
+        return view
+
     def run_views(self, unit: int, start: int, count: int, dtype: torch.dtype = torch.uint8
                   ) -> tuple[torch.Tensor, ...]:
         """Per layer, units ``start .. start + count - 1`` of :meth:`unit_views`. The views of
@@ -145,8 +167,14 @@ class BufferRows:
 
 
 def shared_wide_type(a: BufferRows, b: BufferRows, unit: int) -> torch.dtype:
-    """The widest element type that tiles units of ``unit`` rows on both sides of a copy."""
-    return min(a.widest_type(unit), b.widest_type(unit), key=lambda t: t.itemsize)
+    """The widest element type that tiles units of ``unit`` rows on both sides of a copy
+    (cached with ``a``)."""
+    key = ("shared width", id(b), unit)
+    dtype = a._tables.get(key)
+    if dtype is None:
+        dtype = min(a.widest_type(unit), b.widest_type(unit), key=lambda t: t.itemsize)
+        a._tables[key] = dtype
+    return dtype
 
 
 class RowPool:

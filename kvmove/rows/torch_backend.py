@@ -42,9 +42,10 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     s0 = part.run("src") if direct else None
     wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
     if d0 is not None and s0 is not None:  # run to run: one copy per layer, or one in all
-        s3, d3 = src.stacked_units(layers, unit, wide), dst.stacked_units(layers, unit, wide)
-        if s3 is not None and d3 is not None:
-            d3[:, d0:d0 + m].copy_(s3[:, s0:s0 + m])
+        d3 = dst.stacked_run(layers, unit, d0, m, wide)
+        s3 = src.stacked_run(layers, unit, s0, m, wide) if d3 is not None else None
+        if s3 is not None:
+            d3.copy_(s3)
             return
         dst_runs, src_runs = dst.run_views(unit, d0, m, wide), src.run_views(unit, s0, m, wide)
         for i in layers:
