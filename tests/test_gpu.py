@@ -6,6 +6,7 @@ and the recorded path behind ``backend="auto"``. ``bench/gpu_check.sh`` runs the
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -482,6 +483,16 @@ def test_mover_round_trip_with_indices_written_on_the_engine_stream(gpu_store, k
             assert torch.equal(got[name][layer], layer_bytes[rows]), f"{name} layer {layer}"
 
 
+@contextlib.contextmanager
+def no_host_sync():
+    """Any operation that waits for the device on this thread raises inside."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_evict_and_prefetch_do_not_sync_the_host(gpu_store, keyspace):
     pt, kv_slots = 16, 1024
     kv = build([("kv", 3, 656, torch.uint8, 0)], kv_slots)
@@ -493,17 +504,11 @@ def test_evict_and_prefetch_do_not_sync_the_host(gpu_store, keyspace):
         mover.prefetch(warm, pages).wait()
         torch.cuda.synchronize()
         keys = keyspace(4)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             t = mover.evict(keys, pages)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         assert all(s is kvmove.Status.OK for s in t.wait())
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             p = mover.prefetch(keys, pages)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         assert all(s is kvmove.Status.OK for s in p.wait())
     finally:
         mover.close()
