@@ -61,7 +61,10 @@ if [ "$extra" = cpu ]; then
   # (pip's find-links, no index asked), the CPU wheel index where it answers, the default
   # index as the last resort.
   cpu_index=${KVMOVE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
-  if "${PIP[@]}" --no-index "torch==${KVMOVE_TORCH_VERSION:-2.13.0}" 2>/dev/null; then
+  torch_pin="torch==${KVMOVE_TORCH_VERSION:-2.13.0}"
+  # --no-deps: torch's own dependencies (filelock, sympy, ...) come from the index after.
+  if "${PIP[@]}" --no-index --no-deps "$torch_pin" >/dev/null 2>&1 \
+      && "${PIP[@]}" "$torch_pin"; then
     say "torch: a wheel already on this machine ($(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
   elif .venv/bin/python - "$cpu_index" <<'PY' 2>/dev/null
 import sys, urllib.request
