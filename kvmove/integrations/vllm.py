@@ -72,6 +72,7 @@ class ConnectorPlan:
     replication: int  # TP ranks that hold byte-identical objects (vLLM's replication factor)
     can_load: bool
     can_save: bool
+    save_decode: bool  # also save blocks completed during decode (vLLM's save_decode_cache)
     layerwise: bool
     staging_bytes: int
 
@@ -130,6 +131,7 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         raise _refuse(f"block size {block_size} is not a multiple of the hash block size "
                       f"{hash_block_size}")
     role = ktc.kv_role
+    save_decode = str(extra.get("save_decode_cache", "false")).lower() == "true"
     staging = extra.get("staging_bytes", DEFAULT_STAGING_BYTES)
     if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
         raise ValueError(f"kv_connector_extra_config staging_bytes must be a positive int, "
@@ -147,7 +149,8 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         replication=replication,
         can_load=role in ("kv_consumer", "kv_both"),
         can_save=role in ("kv_producer", "kv_both")
-        or bool(extra.get("save_decode_cache", False)),
+        or save_decode,
+        save_decode=save_decode,
         layerwise=str(extra.get("layerwise", "true")).lower() == "true",
         staging_bytes=staging,
     )
@@ -312,6 +315,8 @@ class _SchedulerSide:
             return
         hashes = self.plan.hashes(state.request)
         full = min(computed // self.plan.block_size, len(hashes), len(state.block_ids))
+        if not self.plan.save_decode:  # as vLLM's connector: the prompt's blocks only
+            full = min(full, state.request.num_prompt_tokens // self.plan.block_size)
         if full <= state.saved_blocks:
             return
         first, state.saved_blocks = state.saved_blocks, full
