@@ -6,6 +6,7 @@ from kvmove.copy import copy_rows, gather, scatter
 from kvmove.describe import Descriptors, describe
 from kvmove.embedded_master import EmbeddedMaster
 from kvmove.errors import KVMoveError, StagingFull, StoreError
+from kvmove.host_pool import HostPool
 from kvmove.mover import KVMover
 from kvmove.staging import StagingBuffer
 from kvmove.status import Status
@@ -16,6 +17,7 @@ from kvmove.transfer import Transfer
 __all__ = [
     "Descriptors",
     "EmbeddedMaster",
+    "HostPool",
     "KVCache",
     "KVMoveError",
     "KVMover",

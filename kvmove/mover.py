@@ -51,7 +51,10 @@ class KVMover:
     outcome. When the staging is full, a call waits up to ``alloc_timeout`` seconds for
     slots, then raises :class:`StagingFull`; pages are never dropped.
 
-    Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``.
+    ``layout`` is the staging's and so the objects' layout: ``"layer_first"`` (one span
+    per layer) or ``"page_first"`` (one span per buffer, token by token; SGLang's
+    ``page_first`` object). Keys are namespaced by a fingerprint of the cache geometry, the
+    layout and ``key_prefix``: a mover never reads an object of the other layout.
 
     With ``checksum=True`` every object carries an 8-byte fingerprint of its bytes, computed
     from the staging after the gather and verified after the get: a page whose bytes do not
@@ -72,6 +75,7 @@ class KVMover:
         alloc_timeout: float | None = 60.0,
         check: bool = True,
         checksum: bool = False,
+        layout: str = "layer_first",
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
@@ -80,13 +84,15 @@ class KVMover:
         self.kv = kv
         self.store = store
         self.staging = StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens,
-                                     trailer_bytes=TRAILER_BYTES if checksum else 0)
+                                     trailer_bytes=TRAILER_BYTES if checksum else 0,
+                                     layout=layout)
         self._checksum = PageChecksum(self.staging) if checksum else None
         self.page_tokens = page_tokens
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
         resolve_backend(backend, self.device)  # validates; "auto" is resolved per copy
         self.backend = backend
-        self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum)
+        self.keyspace = KeySpace(kv, page_tokens, key_prefix, checksum=checksum,
+                                 layout=layout)
         self.alloc_timeout = alloc_timeout
         self.check = check
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
