@@ -32,7 +32,7 @@ def master():
         "MOONCAKE_PROTOCOL": "tcp",
         "MOONCAKE_DEVICE": "",
         "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "256mb",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(256 << 20),
         "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
     })
     yield m
@@ -134,3 +134,22 @@ def page_data(pool, page: int) -> bytes:
 def model():
     """A model name unique to the test: its keys are its own."""
     return f"org/model-{uuid.uuid4().hex[:10]}"
+
+
+INDEXER_PAGE_BYTES = 132 * 4  # one fp8 indexer row with its scale, x page tokens
+
+
+def indexer_pool(layout: str, *, page_size: int, pages: int, seed: int):
+    """A DSAIndexerPoolHost with the buffer SGLang allocates for ``layout`` (``[pages, L, 1,
+    page_bytes]``), filled with random bytes. Built without its device pool (a DSA device
+    pool needs a GPU): only the attributes its storage methods read are set, and SGLang's
+    own get_page_buffer_meta / get_hybrid_pool_buffer run on them."""
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+
+    pool = object.__new__(DSAIndexerPoolHost)
+    pool.layout, pool.page_size, pool.layer_num = layout, page_size, LAYERS
+    pool.indexer_dtype = torch.uint8
+    pool.indexer_page_stride_size = INDEXER_PAGE_BYTES
+    pool.index_k_with_scale_buffer = fill(
+        torch.zeros(pages, LAYERS, 1, INDEXER_PAGE_BYTES, dtype=torch.uint8), seed)
+    return pool
