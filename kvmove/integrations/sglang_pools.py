@@ -75,7 +75,7 @@ def _unsupported(kind: str, layout: str, served: tuple[str, ...]) -> ValueError:
     return ValueError(
         f"kvmove's SGLang backend does not serve {kind} host pools in layout {layout!r} "
         f"(served: {', '.join(served)}); launch SGLang with --hicache-mem-layout "
-        f"page_first"
+        "page_first"
     )
 
 
