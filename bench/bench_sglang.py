@@ -117,6 +117,7 @@ def bench_describe(args, layout: str) -> dict:
                          device=torch.device("cpu"), warmup=2, repeats=args.repeat)
     finally:
         sglang.close()
+        sglang.store.close()  # SGLang's close() leaves its Mooncake client open
         ours.close()
     med = {k: t.median for k, t in timing.items()}
     return {"layout": layout, "pages": args.pages, "layers": args.layers, "page_size": 1,
@@ -156,6 +157,7 @@ def bench_end_to_end(args, layout: str, holder, pages: int, page_size: int) -> d
                 holder.remove([k for ks in ours.keys.kv_objects(keys) for k in ks], force=True)
     finally:
         sglang.close()
+        sglang.store.close()  # SGLang's close() leaves its Mooncake client open
         ours.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
     nbytes = pages * page_size * args.layers * MLA_DIM * 2

@@ -36,6 +36,10 @@ def master():
         "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
     })
     yield m
+    # SGLang's MooncakeStore.close() leaves its Mooncake client open; close each while the
+    # master is still there (a client whose master is gone takes seconds to close).
+    while SGLANG_BACKENDS:
+        SGLANG_BACKENDS.pop().store.close()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
@@ -69,11 +73,16 @@ def kvmove_backend(config):
     return StorageBackendFactory.create_backend("dynamic", config, None)
 
 
+SGLANG_BACKENDS: list = []  # SGLang backends made this session (see ``master``)
+
+
 def sglang_backend(config):
     """SGLang's own Mooncake backend."""
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-    return MooncakeStore(config)
+    backend = MooncakeStore(config)
+    SGLANG_BACKENDS.append(backend)
+    return backend
 
 
 def fill(t: torch.Tensor, seed: int) -> torch.Tensor:
