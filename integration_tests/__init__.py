@@ -1,0 +1,1 @@
+"""Tests that need an engine installed in its own venv (see scripts/test_sglang.sh)."""

@@ -12,6 +12,7 @@ import importlib
 _EXPORTS = {
     "Descriptors": "kvmove.descriptors",
     "EmbeddedMaster": "kvmove.store.embedded_master",
+    "HostPool": "kvmove.host_pool",
     "KVCache": "kvmove.cache",
     "KVMoveError": "kvmove.errors",
     "KVMover": "kvmove.mover",

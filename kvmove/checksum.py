@@ -8,7 +8,8 @@ the row size is not a multiple of 4) and the weights are odd pseudo-random numbe
 2^31: a single changed byte changes its word by ``d * 2^(8k)`` with ``0 < d < 256``, and an
 odd weight times that is never 0 modulo 2^64, so any one changed byte is always detected;
 swapped or shifted spans almost surely are. Vectorised over pages; the Python loop runs over
-(buffer, layer) spans only.
+(buffer, layer) spans only. A page-first staging has one span per buffer (all layers of a
+token side by side), so there the sum runs over buffers only.
 """
 
 from __future__ import annotations
@@ -27,14 +28,20 @@ class PageChecksum:
     def __init__(self, staging: StagingBuffer, seed: int = 0x6B766D76):
         self.staging = staging
         g = torch.Generator().manual_seed(seed)
-        # Per buffer: the word size its rows allow, and one odd weight per word.
-        self._word = {name: 4 if staging.row_bytes(name) % 4 == 0 else 1
-                      for name in staging.buffer_names}
-        self._weights = {
-            name: torch.randint(0, 2**30, (staging.page_bytes(name) // self._word[name],),
-                                generator=g, dtype=torch.int64) * 2 + 1
-            for name in staging.buffer_names
-        }
+        # Per buffer: its spans as [spans, num_slots, span_bytes], the bytes of one token in
+        # a span, the word size its rows allow, and one odd weight per word of a span.
+        page_first = staging.layout == "page_first"
+        self._spans, self._token_bytes, self._word, self._weights = {}, {}, {}, {}
+        for name in staging.buffer_names:
+            staged, row_bytes = staging.tensor(name), staging.row_bytes(name)
+            spans = staged.view(1, staging.num_slots, -1) if page_first else staged
+            self._spans[name] = spans
+            self._token_bytes[name] = row_bytes * (staging.num_layers(name) if page_first
+                                                   else 1)
+            self._word[name] = 4 if row_bytes % 4 == 0 else 1
+            self._weights[name] = torch.randint(
+                0, 2**30, (spans.shape[2] // self._word[name],), generator=g,
+                dtype=torch.int64) * 2 + 1
 
     def compute(self, slots: torch.Tensor, valid_tokens: torch.Tensor) -> torch.Tensor:
         """int64 ``[n]`` fingerprints of the pages in ``slots`` (``valid_tokens`` rows each)."""
@@ -43,11 +50,11 @@ class PageChecksum:
         total = torch.zeros(slots.numel(), dtype=torch.int64)
         for name in self.staging.buffer_names:
             word = self._word[name]
-            staged = self.staging.tensor(name)
+            staged = self._spans[name]
             words = staged.view(torch.int32) if word == 4 else staged
             weights = self._weights[name]
             cols = torch.arange(weights.numel())
-            keep = cols[None, :] < (valid * (self.staging.row_bytes(name) // word))[:, None]
+            keep = cols[None, :] < (valid * (self._token_bytes[name] // word))[:, None]
             masked = torch.where(keep, weights[None, :], torch.zeros((), dtype=torch.int64))
             for layer in range(staged.shape[0]):
                 page = words[layer].index_select(0, slots).to(torch.int64)

@@ -1,4 +1,4 @@
-"""Per-key multi-buffer descriptors of layer-first staging slots.
+"""Per-key multi-buffer descriptors of staging slots (layer-first or page-first).
 
 One store key is one page. Its object is, in the cache's buffer declaration order, for each
 layer in ascending order, the page's first ``valid_tokens`` rows (DESIGN.md, "The canonical
@@ -14,6 +14,10 @@ loops in Python over (page, layer). Spans that touch in memory inside one buffer
 slot, full pages) are merged: fewer spans, the same bytes. Spans of different buffers are
 never merged, even where two allocations happen to be adjacent, because each buffer is its
 own registered memory region.
+
+In a page-first staging buffer ``[num_slots, page_tokens, L, row_bytes]`` a page's first
+``valid_tokens`` tokens of every layer are contiguous: one span per buffer of
+``valid_tokens * L * row_bytes`` bytes, token by token (SGLang's ``page_first`` object).
 """
 
 from __future__ import annotations
@@ -236,15 +240,35 @@ def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
 
 
 class _Columns:
-    """Per span column (one per (buffer, layer), canonical order): the address of slot 0,
-    the slot pitch, the row bytes and the buffer index."""
+    """Per span column (canonical order): the address of slot 0, the slot pitch, the bytes
+    per token of the span and the buffer index. Layer-first memory (``tensor(name)`` is
+    ``[L, num_slots, page_bytes]``, any strides with contiguous pages) has one column per
+    (buffer, layer); page-first memory (``layout == "page_first"``, ``tensor(name)`` is
+    ``[num_slots, page_tokens, L, row_bytes]``, contiguous slots) one column per buffer, of
+    ``L * row_bytes`` bytes per token."""
 
     def __init__(self, staging):
         offs, pitches, rows, bufs = [], [], [], []
         page_tokens, num_slots = staging.page_tokens, staging.num_slots
+        page_first = getattr(staging, "layout", "layer_first") == "page_first"
         for b, name in enumerate(staging.buffer_names):
             t = staging.tensor(name)
             layers, row_bytes = staging.num_layers(name), staging.row_bytes(name)
+            if page_first:
+                shape = (num_slots, page_tokens, layers, row_bytes)
+                token_bytes = layers * row_bytes
+                if t.dtype != torch.uint8 or tuple(t.shape) != shape or (
+                        not t[0].is_contiguous()):
+                    raise ValueError(
+                        f"staging buffer {name!r}: expected a uint8 tensor of shape {shape} "
+                        f"with contiguous slots, got {t.dtype} {tuple(t.shape)} stride "
+                        f"{t.stride()}"
+                    )
+                offs.append(np.array([t.data_ptr()], dtype=np.int64))
+                pitches.append(np.array([t.stride(0)], dtype=np.int64))
+                rows.append(np.array([token_bytes], dtype=np.int64))
+                bufs.append(np.array([b], dtype=np.int64))
+                continue
             shape = (layers, num_slots, page_tokens * row_bytes)
             if t.dtype != torch.uint8 or tuple(t.shape) != shape or t.stride(2) != 1:
                 raise ValueError(
@@ -319,8 +343,10 @@ def describe(staging, slots, keys: Sequence[str], *, valid_tokens=None) -> Descr
 
     Spans are in canonical object order: buffers in declaration order, layers ascending,
     each ``valid_tokens * row_bytes`` bytes; spans that touch in memory inside one buffer
-    are merged. Raises ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument
-    and the bad value; nothing is described then.
+    are merged. A page-first staging (``staging.layout == "page_first"``) gives one span per
+    buffer, its tokens in order, every layer's row of a token side by side. Raises
+    ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument and the bad value;
+    nothing is described then.
     """
     keys = check_keys(keys)
     n = len(keys)

@@ -1,5 +1,6 @@
-"""Store keys namespaced by the cache geometry, so that a process whose cache has another
-geometry (buffers, layer counts, row bytes, dtypes, page size) can never read bytes it would
+"""Store keys namespaced by the cache geometry and the object layout, so that a process whose
+cache has another geometry (buffers, layer counts, row bytes, dtypes, page size) or whose
+staging has another layout (layer_first or page_first objects) can never read bytes it would
 misinterpret."""
 
 from __future__ import annotations
@@ -9,14 +10,18 @@ import json
 import re
 
 from kvmove.cache import KVCache
+from kvmove.staging import check_layout
 
 _PREFIX_OK = re.compile(r"^[A-Za-z0-9._\-]*$")
 
 
-def geometry_fingerprint(kv: KVCache, page_tokens: int, checksum: bool = False) -> str:
-    """12 hex digits that change whenever the object format would change."""
+def geometry_fingerprint(kv: KVCache, page_tokens: int, checksum: bool = False,
+                         layout: str = "layer_first") -> str:
+    """12 hex digits that change whenever the object format would change (the layout
+    included: a one-token page has the same size in both layouts, and other bytes)."""
     geometry = {
         "format": 1,
+        "layout": layout,
         "page_tokens": page_tokens,
         "checksum": checksum,
         "buffers": [[n, layers, rb, dtype, list(shape)]
@@ -29,17 +34,19 @@ def geometry_fingerprint(kv: KVCache, page_tokens: int, checksum: bool = False) 
 class KeySpace:
     """Maps the engine's keys to store keys: ``kvm-<fingerprint>[-<prefix>]:<key>``.
 
-    ``prefix`` is the caller's own namespace (model name, tp rank, ...): letters, digits,
-    ``.``, ``_`` and ``-``.
+    The fingerprint covers the cache geometry, the page size, the checksum trailer and the
+    object ``layout``. ``prefix`` is the caller's own namespace (model name, tp rank, ...):
+    letters, digits, ``.``, ``_`` and ``-``.
     """
 
     def __init__(self, kv: KVCache, page_tokens: int, prefix: str = "", *,
-                 checksum: bool = False):
+                 checksum: bool = False, layout: str = "layer_first"):
         if not isinstance(prefix, str) or not _PREFIX_OK.match(prefix):
             raise ValueError(
                 f"key_prefix must use only letters, digits, '.', '_' and '-', got {prefix!r}"
             )
-        self.fingerprint = geometry_fingerprint(kv, page_tokens, checksum)
+        self.layout = check_layout(layout)
+        self.fingerprint = geometry_fingerprint(kv, page_tokens, checksum, layout)
         self.namespace = f"kvm-{self.fingerprint}" + (f"-{prefix}" if prefix else "")
 
     def store_keys(self, keys: list[str]) -> list[str]:

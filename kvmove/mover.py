@@ -76,7 +76,10 @@ class KVMover:
     call time; ``Transfer.gathered`` / ``Transfer.scattered`` / ``Transfer.wait_layer`` order
     the engine after them.
 
-    Keys are namespaced by a fingerprint of the cache geometry and ``key_prefix``; with
+    ``layout`` is the staging's and so the objects' layout: ``"layer_first"`` (one span
+    per layer) or ``"page_first"`` (one span per buffer, token by token; SGLang's
+    ``page_first`` object). Keys are namespaced by a fingerprint of the cache geometry, the
+    layout and ``key_prefix``: a mover never reads an object of the other layout. With
     ``raw_keys=True`` they are used exactly as given (keys that another system defines,
     such as vLLM's connector keys, which encode the model, ranks and block hash).
 
@@ -100,6 +103,7 @@ class KVMover:
         check: bool = True,
         checksum: bool = False,
         raw_keys: bool = False,
+        layout: str = "layer_first",
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
@@ -108,7 +112,8 @@ class KVMover:
         self.kv = kv
         self.store = store
         self.staging = StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens,
-                                     trailer_bytes=TRAILER_BYTES if checksum else 0)
+                                     trailer_bytes=TRAILER_BYTES if checksum else 0,
+                                     layout=layout)
         self._checksum = PageChecksum(self.staging) if checksum else None
         self.page_tokens = page_tokens
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
@@ -117,7 +122,8 @@ class KVMover:
         if raw_keys and key_prefix:
             raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
         self.keyspace = (RawKeys() if raw_keys
-                         else KeySpace(kv, page_tokens, key_prefix, checksum=checksum))
+                         else KeySpace(kv, page_tokens, key_prefix, checksum=checksum,
+                                       layout=layout))
         self.alloc_timeout = alloc_timeout
         self.check = check
         cuda = self.device.type == "cuda"

@@ -1,5 +1,6 @@
-"""``StagingBuffer``: layer-first host staging, ``[L, num_slots, page_tokens * row_bytes]``
-per buffer of a :class:`~kvmove.KVCache`, with a thread-safe slot allocator."""
+"""``StagingBuffer``: host staging for the pages of a :class:`~kvmove.KVCache`, per buffer
+layer-first ``[L, num_slots, page_tokens * row_bytes]`` or page-first ``[num_slots,
+page_tokens, L, row_bytes]``, with a thread-safe slot allocator."""
 
 from __future__ import annotations
 
@@ -12,18 +13,33 @@ from kvmove.host_memory import HostMemory
 from kvmove.rows.pool import BufferRows, RowPool
 from kvmove.slot_allocator import SlotAllocator
 
+LAYOUTS = ("layer_first", "page_first")
+
+
+def check_layout(layout) -> str:
+    """``layout`` after checking that it is one of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
 
 class StagingBuffer:
-    """Layer-first staging for the pages of ``kv``.
+    """Staging for the pages of ``kv``, per buffer one uint8 tensor:
 
-    Per buffer one uint8 tensor ``[L, num_slots, page_tokens * row_bytes]``: slot ``s`` of
-    layer ``l`` holds one page (``page_tokens`` token rows) of that layer. Pinned and
-    device-accessible when ``kv`` lives on CUDA, page-aligned host memory otherwise. As a row
-    pool, row ``slot * page_tokens + t`` is token ``t`` of slot ``slot``.
+    - ``layout="layer_first"`` (default): ``[L, num_slots, page_tokens * row_bytes]``; slot
+      ``s`` of layer ``l`` holds one page (``page_tokens`` token rows) of that layer. A key's
+      object is one span per layer (``[layer][token][row]``).
+    - ``layout="page_first"``: ``[num_slots, page_tokens, L, row_bytes]``; slot ``s`` holds
+      the page token by token, every layer's row of a token side by side. A key's object is
+      one contiguous span per buffer (``[token][layer][row]``, SGLang's ``page_first``).
+
+    Pinned and device-accessible when ``kv`` lives on CUDA, page-aligned host memory
+    otherwise. Either way it is a row pool: row ``slot * page_tokens + t`` is token ``t`` of
+    slot ``slot`` (the layouts differ only in where a layer's rows start and their pitch).
     """
 
     def __init__(self, kv: KVCache, num_slots: int = 1024, page_tokens: int = 64, *,
-                 trailer_bytes: int = 0):
+                 trailer_bytes: int = 0, layout: str = "layer_first"):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
         for name, value in (("num_slots", num_slots), ("page_tokens", page_tokens)):
@@ -32,6 +48,7 @@ class StagingBuffer:
         if isinstance(trailer_bytes, bool) or not isinstance(trailer_bytes, int) or (
                 trailer_bytes < 0):
             raise ValueError(f"trailer_bytes must be an int >= 0, got {trailer_bytes!r}")
+        self.layout = check_layout(layout)
         self.kv = kv
         self.num_slots = num_slots
         self.page_tokens = page_tokens
@@ -43,23 +60,31 @@ class StagingBuffer:
             layers, row_bytes = kv.num_layers(name), kv.row_bytes(name)
             page_bytes = page_tokens * row_bytes
             memory = HostMemory(layers * num_slots * page_bytes, pin=pin)
-            tensor = memory.tensor.view(layers, num_slots, page_bytes)
+            num_rows = num_slots * page_tokens
+            if layout == "layer_first":
+                tensor = memory.tensor.view(layers, num_slots, page_bytes)
+                token_rows = memory.tensor.view(layers, num_rows, row_bytes)
+                views = tuple(token_rows[i] for i in range(layers))
+                layer_step, pitch = num_slots * page_bytes, row_bytes
+            else:
+                tensor = memory.tensor.view(num_slots, page_tokens, layers, row_bytes)
+                token_rows = memory.tensor.view(num_rows, layers, row_bytes)
+                views = tuple(token_rows[:, i] for i in range(layers))
+                layer_step, pitch = row_bytes, layers * row_bytes
             self._memory[name] = memory
             self._tensors[name] = tensor
-            layer_bytes = num_slots * page_bytes
             rows.append(
                 BufferRows(
                     name=name,
-                    layers=tuple(tensor[i].view(num_slots * page_tokens, row_bytes)
-                                 for i in range(layers)),
+                    layers=views,
                     row_bytes=row_bytes,
-                    pitch=row_bytes,
-                    num_rows=num_slots * page_tokens,
+                    pitch=pitch,
+                    num_rows=num_rows,
                     device=torch.device("cpu"),
                     dtype=torch.uint8,
                     row_shape=(row_bytes,),
                     device_addresses=tuple(
-                        memory.device_address + i * layer_bytes for i in range(layers)
+                        memory.device_address + i * layer_step for i in range(layers)
                     ),
                 )
             )
@@ -71,7 +96,8 @@ class StagingBuffer:
 
     # -- memory ---------------------------------------------------------------------------
     def tensor(self, name: str) -> torch.Tensor:
-        """The uint8 ``[L, num_slots, page_tokens * row_bytes]`` staging tensor of ``name``."""
+        """The uint8 staging tensor of ``name``: ``[L, num_slots, page_tokens * row_bytes]``
+        (layer_first) or ``[num_slots, page_tokens, L, row_bytes]`` (page_first)."""
         try:
             return self._tensors[name]
         except KeyError:
@@ -172,7 +198,7 @@ class StagingBuffer:
 
     def __repr__(self) -> str:
         return (
-            f"StagingBuffer({self.num_slots} slots x {self.page_tokens} tokens, "
+            f"StagingBuffer({self.layout}, {self.num_slots} slots x {self.page_tokens} tokens, "
             f"{self.nbytes / 2**20:.1f} MiB, {'pinned' if self.pinned else 'pageable'}, "
             f"{self.num_free} free)"
         )

@@ -1,2 +1,3 @@
-"""Integrations of kvmove with inference engines. Each engine's integration lives in its own
-module and imports that engine only when it is used (``kvmove.integrations.vllm``)."""
+"""Engine integrations (``kvmove.integrations.sglang``, ``kvmove.integrations.vllm``): each
+module imports its engine only when it is itself imported, so the engine is never a
+dependency of kvmove."""

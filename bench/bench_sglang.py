@@ -1,0 +1,273 @@
+"""Benchmark of kvmove's SGLang backend against SGLang's own Mooncake backend, on the same
+host pool pages, the real SGLang 0.5.23 classes and one embedded Mooncake master.
+
+1. Descriptor build: what each backend computes before a zero-copy put or get of K pages of
+   an MLA host pool (keys plus pointer and size lists): SGLang's ``_batch_preprocess``
+   (``get_page_buffer_meta``, a Python loop over (page, layer), then
+   ``_pack_multi_buffer_meta``) against kvmove's (``HostPool.describe``: numpy, one
+   ``tolist()``). Default: 4096 one-token pages x 61 layers, layer_first and page_first.
+   Target: >= 5x where there is per-(page, layer) work (layer_first: 61 spans per page);
+   with one span per page (page_first) neither builder loops over layers.
+2. End to end: ``batch_set_v1`` of fresh pages, then ``batch_get_v1`` of them into another
+   pool region, through each backend, interleaved. Target: >= 1.0x (kvmove's time / SGLang's
+   time <= 1).
+
+Needs SGLang (run it with the SGLang venv that ``scripts/test_sglang.sh`` sets up)::
+
+    .venv-sglang/bin/python -m bench.bench_sglang           # prints the tables
+    .venv-sglang/bin/python -m bench.bench_sglang --json    # also bench/results/bench_sglang.json
+
+The objects live in the segment of a third client (the "holder"): both backends contribute
+no memory, so each reads every page over loopback TCP from the same place. (With segments of
+their own, the master's placement decides which reads are local copies, and that, not the
+backend, would decide the figures.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+# SGLang's config package imports torchvision at module level (see the stand-in's docstring).
+sys.path.insert(0, str(ROOT / "integration_tests" / "sglang" / "stand_ins"))
+
+import kvmove  # noqa: E402
+from bench import results  # noqa: E402
+from bench.timing import measure  # noqa: E402
+
+MLA_DIM = 576
+
+
+def mla_pool(layout: str, *, layers: int, page_size: int, tokens: int):
+    """SGLang's CPU MLA host pool of at least ``tokens`` slots, filled with bytes."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = [torch.zeros(1, 1, MLA_DIM, dtype=torch.bfloat16) for _ in range(layers)]
+    info = MLABufferInfo(
+        buffers=tuple(device), data_ptrs=torch.tensor([t.data_ptr() for t in device]),
+        layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page_size,
+        kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dim=MLA_DIM, dtype=torch.bfloat16,
+        device=torch.device("cpu"))
+    pool = MLATokenToKVPoolHost(
+        info, host_to_device_ratio=1.0, host_size=0, page_size=page_size, layout=layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=tokens, start_layer=0,
+        end_layer=layers, target_layer_num=layers)
+    pool.kv_buffer.view(torch.uint8).view(-1)[::4096] = 7  # touch every page of memory
+    return pool
+
+
+def storage_config(model: str, page_first: bool):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=page_first,
+        model_name=model, extra_config={})
+
+
+def make_backends(model: str, page_first: bool):
+    """(SGLang's MooncakeStore, kvmove's backend through SGLang's "dynamic" factory)."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    sglang = MooncakeStore(storage_config(model, page_first))
+    config = storage_config(model, page_first)
+    config.extra_config.update({"backend_name": "kvmove",
+                                "module_path": "kvmove.integrations.sglang",
+                                "class_name": "KVMoveStorage", "interface_v1": 1})
+    ours = StorageBackendFactory.create_backend("dynamic", config, None)
+    return sglang, ours
+
+
+def bench_describe(args, layout: str) -> dict:
+    pool = mla_pool(layout, layers=args.layers, page_size=1, tokens=args.pages)
+    sglang, ours = make_backends(f"bench/describe-{uuid.uuid4().hex[:8]}",
+                                 layout != "layer_first")
+    try:
+        sglang.register_mem_pool_host(pool)
+        ours.register_mem_pool_host(pool)
+        keys = [uuid.uuid4().hex for _ in range(args.pages)]
+        idx = torch.arange(args.pages, dtype=torch.int64)
+        tagged = sglang._tag_keys(keys)
+
+        def sglang_meta():
+            return sglang._batch_preprocess(tagged, idx)
+
+        def kvmove_meta():
+            return ours._describe(ours.kv, ours.keys.kv_objects(keys), idx)
+
+        a, b = sglang_meta(), kvmove_meta()  # the same objects, span for span
+        flat = [p if isinstance(p, list) else [p] for p in a[1]]
+        if a[0] != b.keys or flat != b.ptrs:
+            raise AssertionError("kvmove and SGLang describe different objects")
+        timing = measure({"sglang": sglang_meta, "kvmove": kvmove_meta},
+                         device=torch.device("cpu"), warmup=2, repeats=args.repeat)
+    finally:
+        sglang.close()
+        sglang.store.close()  # SGLang's close() leaves its Mooncake client open
+        ours.close()
+    med = {k: t.median for k, t in timing.items()}
+    return {"layout": layout, "pages": args.pages, "layers": args.layers, "page_size": 1,
+            "spans_per_key": len(b.ptrs[0]), "median_s": med,
+            "best_s": {k: min(t.samples) for k, t in timing.items()},
+            "spread": {k: t.spread for k, t in timing.items()},
+            "speedup": med["sglang"] / med["kvmove"]}
+
+
+def bench_end_to_end(args, layout: str, holder, pages: int, page_size: int) -> dict:
+    pool = mla_pool(layout, layers=args.layers, page_size=page_size,
+                    tokens=2 * pages * page_size)
+    sglang, ours = make_backends(f"bench/e2e-{uuid.uuid4().hex[:8]}", layout != "layer_first")
+    src = torch.arange(pages * page_size, dtype=torch.int64)
+    dst = src + pages * page_size
+    samples: dict[str, list[float]] = {f"{w} {op}": [] for w in ("sglang", "kvmove")
+                                       for op in ("set", "get")}
+    try:
+        sglang.register_mem_pool_host(pool)
+        ours.register_mem_pool_host(pool)
+        for r in range(args.e2e_repeat + 1):  # the first round warms up
+            order = [("sglang", sglang), ("kvmove", ours)]
+            for name, backend in order if r % 2 == 0 else order[::-1]:
+                keys = [uuid.uuid4().hex for _ in range(pages)]
+                t0 = time.perf_counter()
+                put = backend.batch_set_v1(keys, src)
+                t1 = time.perf_counter()
+                got = backend.batch_get_v1(keys, dst)
+                t2 = time.perf_counter()
+                if not (all(put) and all(got)):
+                    raise AssertionError(f"{name}: set {put.count(True)}/{pages}, get "
+                                         f"{got.count(True)}/{pages}")
+                if r:
+                    samples[f"{name} set"].append(t1 - t0)
+                    samples[f"{name} get"].append(t2 - t1)
+                # both backends name the objects alike; free the holder's memory
+                holder.remove([k for ks in ours.keys.kv_objects(keys) for k in ks], force=True)
+    finally:
+        sglang.close()
+        sglang.store.close()  # SGLang's close() leaves its Mooncake client open
+        ours.close()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    nbytes = pages * page_size * args.layers * MLA_DIM * 2
+    return {"layout": layout, "pages": pages, "page_size": page_size, "layers": args.layers,
+            "bytes": nbytes, "median_s": med,
+            "GBps": {k: nbytes / v / 1e9 for k, v in med.items()},
+            "speedup_set": med["sglang set"] / med["kvmove set"],
+            "speedup_get": med["sglang get"] / med["kvmove get"]}
+
+
+def end_to_end_or_failure(args, layout: str, holder, pages: int, page_size: int) -> dict:
+    """:func:`bench_end_to_end`, or the record of why a backend's set or get failed (with
+    Mooncake 0.3.13 over TCP, puts of many small spans to a remote segment fail:
+    layer_first pages of 1 to 4 tokens, 1-5 KB spans, for either backend)."""
+    try:
+        return bench_end_to_end(args, layout, holder, pages, page_size)
+    except AssertionError as e:
+        return {"layout": layout, "pages": pages, "page_size": page_size,
+                "layers": args.layers, "failed": str(e)}
+
+
+def _mark(ok: bool) -> str:
+    return "[green]yes[/green]" if ok else "[red]NO[/red]"
+
+
+def report(result: dict, console: Console) -> None:
+    rows = result.get("describe", [])
+    if rows:
+        table = Table(title="descriptor build (keys + span lists) before a put/get, MLA pool")
+        for col in ("layout", "pages x layers", "spans/key", "SGLang ms", "kvmove ms",
+                    "speedup", ">= 5x"):
+            table.add_column(col, justify="right")
+        for d in rows:
+            table.add_row(d["layout"], f"{d['pages']} x {d['layers']}", str(d["spans_per_key"]),
+                          f"{d['median_s']['sglang'] * 1e3:.1f}",
+                          f"{d['median_s']['kvmove'] * 1e3:.1f}", f"{d['speedup']:.1f}x",
+                          _mark(d["speedup"] >= 5) if d["spans_per_key"] > 1 else "n/a")
+        console.print(table)
+    rows = result.get("end_to_end", [])
+    if rows:
+        table = Table(title="batch_set_v1 / batch_get_v1 over loopback TCP (medians)")
+        for col in ("layout", "pages x tokens", "MiB", "SGLang set GB/s", "kvmove set GB/s",
+                    "set x", "SGLang get GB/s", "kvmove get GB/s", "get x", ">= 1.0x"):
+            table.add_column(col, justify="right")
+        for e in rows:
+            if "failed" in e:
+                table.add_row(e["layout"], f"{e['pages']} x {e['page_size']}", "", "", "", "",
+                              "", "", "", f"failed: {e['failed']}")
+                continue
+            g = e["GBps"]
+            table.add_row(e["layout"], f"{e['pages']} x {e['page_size']}",
+                          f"{e['bytes'] / 2**20:.0f}", f"{g['sglang set']:.2f}",
+                          f"{g['kvmove set']:.2f}", f"{e['speedup_set']:.2f}x",
+                          f"{g['sglang get']:.2f}", f"{g['kvmove get']:.2f}",
+                          f"{e['speedup_get']:.2f}x",
+                          _mark(min(e["speedup_set"], e["speedup_get"]) >= 1.0))
+        console.print(table)
+
+
+def _case(text: str) -> tuple[int, int]:
+    pages, _, tokens = text.partition("x")
+    return int(pages), int(tokens)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pages", type=int, default=4096, help="pages of the descriptor build")
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--repeat", type=int, default=9, help="descriptor build repeats")
+    p.add_argument("--e2e-cases", nargs="+", type=_case, default=[(32, 16), (512, 1)],
+                   metavar="PAGESxTOKENS", help="set/get batches: pages x tokens per page")
+    p.add_argument("--e2e-repeat", type=int, default=12)
+    p.add_argument("--layouts", nargs="+", default=["layer_first", "page_first"],
+                   choices=["layer_first", "page_first", "page_first_direct"])
+    p.add_argument("--holder-bytes", type=int, default=2 << 30,
+                   help="the segment that holds the objects")
+    p.add_argument("--quick", action="store_true", help="fewer pages and repeats")
+    p.add_argument("--json", nargs="?", const=str(RESULTS / "bench_sglang.json"), default=None,
+                   metavar="PATH", help="also write the results as JSON (default path: "
+                                        "bench/results/bench_sglang.json)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.pages, args.repeat, args.e2e_repeat = 1024, 5, 4
+        args.e2e_cases = [(16, 16), (256, 1)]
+    master = kvmove.EmbeddedMaster()
+    holder = kvmove.MooncakeStore(kvmove.StoreConfig(
+        master_address=master.address, local_hostname="127.0.0.1",
+        global_segment_size=args.holder_bytes))
+    os.environ.update({"MOONCAKE_MASTER": master.address, "MOONCAKE_PROTOCOL": "tcp",
+                       "MOONCAKE_DEVICE": "", "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
+                       "MOONCAKE_GLOBAL_SEGMENT_SIZE": "0",
+                       "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"})
+    result = {
+        "benchmark": "bench_sglang", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                    "cpus": torch.get_num_threads(), "torch": torch.__version__},
+        "command": " ".join(["python -m bench.bench_sglang", *(argv or sys.argv[1:])]),
+    }
+    try:
+        import sglang
+
+        result["sglang"] = sglang.__version__
+        result["describe"] = [bench_describe(args, layout) for layout in args.layouts]
+        result["end_to_end"] = [end_to_end_or_failure(args, layout, holder, *case)
+                                for case in args.e2e_cases for layout in args.layouts]
+    finally:
+        holder.close()
+        master.stop()
+    return results.finish_suite(result, report, Path(args.json) if args.json else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

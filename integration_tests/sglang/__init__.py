@@ -1,0 +1,1 @@
+"""SGLang interop tests (run by scripts/test_sglang.sh in .venv-sglang)."""

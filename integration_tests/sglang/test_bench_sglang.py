@@ -1,0 +1,29 @@
+"""bench/bench_sglang.py runs end to end on a small geometry (in a process of its own: it
+starts its own master and sets the MOONCAKE_* variables) and writes a JSON whose figures
+are well formed. The figures themselves are not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_sglang_small(tmp_path):
+    out = tmp_path / "bench_sglang.json"
+    subprocess.run(
+        [sys.executable, "-m", "bench.bench_sglang", "--pages", "64", "--layers", "3",
+         "--repeat", "2", "--e2e-cases", "4x4", "--e2e-repeat", "2",
+         "--holder-bytes", str(256 << 20), "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["sglang"] == "0.5.23"
+    assert [d["layout"] for d in result["describe"]] == ["layer_first", "page_first"]
+    assert [d["spans_per_key"] for d in result["describe"]] == [3, 1]
+    for e in result["end_to_end"]:
+        assert "failed" not in e, e
+        assert e["speedup_set"] > 0 and e["speedup_get"] > 0
+        assert e["bytes"] == 4 * 4 * 3 * 576 * 2

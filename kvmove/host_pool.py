@@ -1,0 +1,208 @@
+"""``HostPool``: the pages of a host KV pool that an engine allocated (kvmove did not),
+described for zero-copy store puts and gets.
+
+An engine such as SGLang keeps its own host pool and registers it with the store; kvmove
+describes its pages in place, with the same vectorised arithmetic as :func:`kvmove.describe`
+(one ``tolist()``, no Python loop over pages or layers). Per buffer the pool is one tensor in
+one of the engine's layouts:
+
+- ``"layer_first"``: ``[L, tokens, *row]`` (SGLang's MLA ``[L, size, 1, dim]``); a page's
+  object is one span per layer (``[layer][token]``), merged where spans touch.
+- ``"page_first"``: ``[tokens, L, *row]`` (SGLang's MLA ``[size, L, 1, dim]``, one half of
+  its MHA ``[2, size, L, heads, dim]``); a page's object is one contiguous span,
+  ``[token][layer]``.
+- ``"page_first_direct"``: ``[pages, L, page_tokens, *row]``; a page's object is one
+  contiguous span, ``[layer][token]`` (the same bytes as a ``layer_first`` object).
+
+Page ``p`` is tokens ``p * page_tokens .. (p + 1) * page_tokens - 1``. Buffers of one pool
+share the layout, ``page_tokens`` and the number of pages; a page's object holds its spans of
+every buffer, in declaration order. Where an engine stores one object per buffer (SGLang's
+MHA ``_k`` and ``_v`` objects), describe one pool per buffer and :func:`concat` the
+descriptors into one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from kvmove.descriptors import Descriptors, describe
+from kvmove.rows.indices import as_int_array
+
+__all__ = ["HOST_LAYOUTS", "HostPool", "concat"]
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def _byte_view(name: str, t: torch.Tensor, lead: int) -> torch.Tensor:
+    """``t`` as uint8 with its first ``lead`` dims kept and the rest one row of bytes, which
+    must be contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"buffer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"buffer {name!r}: a host pool lives in host memory, got {t.device}")
+    if t.dim() < lead + 1:
+        raise ValueError(f"buffer {name!r}: expected at least {lead + 1} dims, got shape "
+                         f"{tuple(t.shape)}")
+    row = t.flatten(lead) if t.dim() > lead + 1 else t
+    if row.data_ptr() != t.data_ptr() or row.stride(-1) != 1 or row.shape[-1] == 0:
+        raise ValueError(f"buffer {name!r}: rows must be contiguous inside (shape "
+                         f"{tuple(t.shape)}, stride {t.stride()})")
+    if t.dtype != torch.uint8:
+        row = row.view(torch.uint8)
+    return row
+
+
+class HostPool:
+    """Pages of an engine's host pool, described in place (nothing is copied or allocated).
+
+    ``buffers``: name -> tensor in ``layout`` (see the module doc); ``page_tokens``: tokens
+    per page. Raises ``ValueError`` / ``TypeError`` naming the buffer and the bad shape,
+    stride, device or layout.
+
+    >>> pool = HostPool({"kv": host_kv}, page_tokens=64, layout="page_first")
+    >>> desc = pool.describe(pages, keys)   # then store.put(desc) / store.get(desc)
+    """
+
+    def __init__(self, buffers: Mapping[str, torch.Tensor], *, page_tokens: int,
+                 layout: str):
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {layout!r}")
+        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or (
+                page_tokens <= 0):
+            raise ValueError(f"page_tokens must be a positive int, got {page_tokens!r}")
+        if not isinstance(buffers, Mapping) or not buffers:
+            raise ValueError("buffers must be a non-empty mapping name -> tensor")
+        self.layout = layout
+        self.page_tokens = page_tokens
+        self._tensors: dict[str, torch.Tensor] = {}  # the views describe() reads
+        self._layers: dict[str, int] = {}
+        self._rows: dict[str, int] = {}
+        self._regions: list[tuple[int, int]] = []
+        pages: dict[str, int] = {}
+        for name, t in buffers.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"buffer names must be non-empty strings, got {name!r}")
+            view, layers, row_bytes, num_pages = self._view(name, t)
+            self._tensors[name], self._layers[name], self._rows[name] = view, layers, row_bytes
+            pages[name] = num_pages
+            self._regions.append((t.data_ptr(), t.numel() * t.element_size()))
+        if len(set(pages.values())) != 1:
+            raise ValueError(f"buffers must hold the same number of pages, got {pages}")
+        self.num_slots = next(iter(pages.values()))
+        if self.num_slots == 0:
+            raise ValueError(f"buffers hold no whole page of {page_tokens} tokens: {pages}")
+
+    def _view(self, name: str, t: torch.Tensor):
+        """(the view :func:`describe` reads, layers, row bytes, whole pages) of ``t``."""
+        p = self.page_tokens
+        if self.layout == "page_first_direct":
+            b = _byte_view(name, t, 3)  # [pages, L, page_tokens, row]
+            if b.shape[2] != p:
+                raise ValueError(f"buffer {name!r}: page_first_direct dims are [pages, L, "
+                                 f"page_tokens={p}, ...], got shape {tuple(t.shape)}")
+            pages, layers, _, row_bytes = b.shape
+            if b.stride(2) != row_bytes:
+                raise ValueError(f"buffer {name!r}: a page's rows must be contiguous")
+            view = b.view(pages, layers, p * row_bytes).transpose(0, 1)  # [L, pages, page]
+            return view, layers, row_bytes, pages
+        b = _byte_view(name, t, 2)
+        if self.layout == "layer_first":  # [L, tokens, row]
+            layers, tokens, row_bytes = b.shape
+            pages = tokens // p
+            if b.stride(1) != row_bytes:
+                raise ValueError(f"buffer {name!r}: a layer's rows must be contiguous")
+            view = b[:, : pages * p].unflatten(1, (pages, p)).flatten(2)
+            return view, layers, row_bytes, pages
+        tokens, layers, row_bytes = b.shape  # page_first: [tokens, L, row]
+        pages = tokens // p
+        if not b.is_contiguous():
+            raise ValueError(f"buffer {name!r}: a page_first pool must be contiguous "
+                             f"(stride {t.stride()})")
+        return b[: pages * p].view(pages, p, layers, row_bytes), layers, row_bytes, pages
+
+    # -- the geometry describe() reads ----------------------------------------------------
+    @property
+    def buffer_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def num_layers(self, name: str) -> int:
+        return self._layers[name]
+
+    def row_bytes(self, name: str) -> int:
+        return self._rows[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The uint8 view of ``name`` that :func:`kvmove.describe` reads: ``[L, pages,
+        page_tokens * row_bytes]`` (layer_first, page_first_direct) or ``[pages,
+        page_tokens, L, row_bytes]`` (page_first)."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"no buffer {name!r}; buffers are {self.buffer_names}") from None
+
+    def regions(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each buffer, to register with a store."""
+        return list(self._regions)
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one whole page's object: every layer of every buffer."""
+        return sum(self.page_tokens * self._rows[n] * self._layers[n] for n in self._tensors)
+
+    # -- pages ----------------------------------------------------------------------------
+    def pages_of(self, token_indices) -> np.ndarray:
+        """int64 page numbers of ``token_indices`` (``n * page_tokens`` token slots, page by
+        page, as an engine hands them): the first slot of each page, which must start a
+        page. Raises ``ValueError`` for a length that is not whole pages, or a page that
+        does not start at a page boundary, and ``IndexError`` for a page outside the pool."""
+        idx = as_int_array(token_indices, "token_indices")
+        p = self.page_tokens
+        if idx.size % p:
+            raise ValueError(f"token_indices has {idx.size} entries, not a whole number of "
+                             f"pages of {p} tokens")
+        first = idx[::p]
+        bad = np.flatnonzero(first % p)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"token_indices[{i * p}] = {int(first[i])} does not start a "
+                             f"page of {p} tokens")
+        pages = first // p
+        out = np.flatnonzero((pages < 0) | (pages >= self.num_slots))
+        if out.size:
+            i = int(out[0])
+            raise IndexError(f"token_indices[{i * p}] = {int(first[i])} is page "
+                             f"{int(pages[i])}, outside the pool's {self.num_slots} pages")
+        return pages
+
+    def describe(self, pages, keys: Sequence[str], *, valid_tokens=None) -> Descriptors:
+        """Descriptors of ``pages`` under ``keys`` (one object per key): see
+        :func:`kvmove.describe`."""
+        return describe(self, pages, keys, valid_tokens=valid_tokens)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {self._layers[n]}x{self._rows[n]}B" for n in self._tensors)
+        return (f"HostPool({self.layout}, {self.num_slots} pages x {self.page_tokens} tokens; "
+                f"{parts})")
+
+
+def concat(parts: Sequence[Descriptors]) -> Descriptors:
+    """One batch of the keys of every descriptor set in ``parts``, in order (e.g. the
+    ``_k`` and the ``_v`` objects of a page batch, described from two pools). Keys must be
+    distinct across parts."""
+    parts = list(parts)
+    for i, d in enumerate(parts):
+        if not isinstance(d, Descriptors):
+            raise TypeError(f"parts[{i}] must be kvmove.Descriptors, got {type(d).__name__}")
+    if len(parts) == 1:
+        return parts[0]
+    keys = [k for d in parts for k in d.keys]
+    if len(set(keys)) != len(keys):
+        raise ValueError("concat: keys repeat across the descriptor sets")
+    regions = tuple(dict.fromkeys(r for d in parts for r in d.regions))
+    nbytes = np.concatenate([np.asarray(d.object_sizes(), dtype=np.int64) for d in parts]) \
+        if keys else np.zeros(0, dtype=np.int64)
+    return Descriptors._trusted(keys, [p for d in parts for p in d.ptrs],
+                                [s for d in parts for s in d.sizes], nbytes, regions, None)

@@ -1,0 +1,60 @@
+"""The store keys of SGLang's own Mooncake backend (sglang 0.5.23,
+``mem_cache/storage/mooncake_store/mooncake_store.py``), so that kvmove and SGLang share
+objects:
+
+- a prefix: the optional ``extra_backend_tag``, then the model name with ``/`` replaced by
+  ``-``, joined by ``_``; a page key becomes ``<prefix>_<page hash>`` (no prefix: the hash);
+- MLA: ``<page key>_<mla suffix>_k``, the suffix empty at pp_size 1 (``<hash>__k``), the pp
+  rank otherwise;
+- MHA: ``<page key>_<tp rank>[_<pp rank>]_k`` and ``..._v``;
+- a side pool (the DSA indexer): ``<page key>_<mla suffix>_<pool name>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SGLangKeys:
+    """Key names for one SGLang rank's storage config."""
+
+    def __init__(self, storage_config):
+        extra = getattr(storage_config, "extra_config", None) or {}
+        parts = []
+        if extra.get("extra_backend_tag") is not None:
+            parts.append(str(extra["extra_backend_tag"]))
+        if getattr(storage_config, "model_name", None):
+            parts.append("-".join(storage_config.model_name.split("/")))
+        self.prefix = "_".join(parts) if parts else None
+        tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
+        pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
+        pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
+        self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        if pp_size > 1:
+            self.mha_suffix, self.mla_suffix = f"{tp_rank}_{pp_rank}", f"{pp_rank}"
+        else:
+            self.mha_suffix, self.mla_suffix = f"{tp_rank}", ""
+
+    def tagged(self, keys: Sequence[str]) -> list[str]:
+        """Page keys with the prefix."""
+        if self.prefix is None:
+            return list(keys)
+        head = self.prefix + "_"
+        return [head + k for k in keys]
+
+    @property
+    def suffixes(self) -> list[str]:
+        """The suffixes of a page's KV objects, in SGLang's order."""
+        if self.is_mla:
+            return [f"_{self.mla_suffix}_k"]
+        return [f"_{self.mha_suffix}_k", f"_{self.mha_suffix}_v"]
+
+    def kv_objects(self, keys: Sequence[str]) -> list[list[str]]:
+        """Per component (MLA: one, MHA: k then v), the object key of every page."""
+        tagged = self.tagged(keys)
+        return [[k + suffix for k in tagged] for suffix in self.suffixes]
+
+    def side_objects(self, keys: Sequence[str], pool_name: str) -> list[str]:
+        """The object key of every page of side pool ``pool_name`` (e.g. ``indexer``)."""
+        suffix = f"_{self.mla_suffix}_{pool_name}"
+        return [k + suffix for k in self.tagged(keys)]

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up .venv-sglang (torch CPU, kvmove editable, SGLang's cache modules without its heavy
+# dependencies) and run the SGLang interop tests in integration_tests/sglang. Extra arguments
+# go to pytest. Idempotent: a second run with unchanged pins installs nothing.
+# Run scripts/setup.sh first (it installs the system library Mooncake needs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '\033[1m[test_sglang]\033[0m %s\n' "$*"; }
+die() { printf '\033[1;31m[test_sglang] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv-sglang
+SGLANG_VERSION=0.5.23
+TORCH_VERSION=2.13.0
+# The pure-Python modules SGLang's cache code imports (mem_cache/hicache_storage.py,
+# storage/backend_factory.py, pool_host/*, storage/mooncake_store/mooncake_store.py).
+SGLANG_MODULES=(orjson msgspec psutil pybase64 packaging pillow starlette pydantic pyzmq tqdm
+                IPython dill requests "apache-tvm-ffi==0.1.11" transformers sentencepiece
+                compressed_tensors gguf)
+
+[ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+constraints="$VENV/constraints.txt"
+printf 'torch==%s\n' "$TORCH_VERSION" >"$constraints"
+stamp="$VENV/.kvmove-sglang-setup"
+want="$SGLANG_VERSION $TORCH_VERSION $(cat pyproject.toml "$0" | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  say "installing torch $TORCH_VERSION (CPU build)"
+  "${PIP[@]}" -c "$constraints" "torch==$TORCH_VERSION" \
+    || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  say "installing kvmove[cpu,test] (editable)"
+  "${PIP[@]}" -c "$constraints" -e ".[cpu,test]"
+  say "installing sglang==$SGLANG_VERSION (no dependencies) and its cache modules' imports"
+  "${PIP[@]}" -c "$constraints" --no-deps "sglang==$SGLANG_VERSION"
+  "${PIP[@]}" -c "$constraints" "${SGLANG_MODULES[@]}"
+  "$VENV/bin/python" -c 'import mooncake.store' \
+    || die "the Mooncake wheel does not import (see the error above)"
+  echo "$want" >"$stamp"
+fi
+say "running the SGLang interop tests"
+exec "$VENV/bin/python" -m pytest integration_tests/sglang "$@"
