@@ -10,6 +10,7 @@ test:
 	bash scripts/test.sh
 
 bench: setup
+	bash scripts/test_sglang.sh --setup-only
 	bash scripts/test_vllm.sh --setup-only
 	.venv/bin/python -m bench.run_all
 

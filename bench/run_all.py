@@ -43,9 +43,12 @@ SUITES = {
     "mover": ("bench.bench_mover", ["--quick"], []),
     "calls": ("bench.bench_calls", ["--quick"], []),
     "vllm": ("bench.bench_vllm", ["--quick"], []),
+    "sglang": ("bench.bench_sglang", ["--quick"], []),
 }
 # Suites that run in another environment: name -> its Python (skipped when absent).
-SUITE_PYTHON = {"vllm": Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"}
+_ROOT = Path(__file__).resolve().parents[1]
+SUITE_PYTHON = {"vllm": _ROOT / ".venv-vllm" / "bin" / "python",
+                "sglang": _ROOT / ".venv-sglang" / "bin" / "python"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,28 +56,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 if [ "$extra" = cpu ]; then
-  # On Linux x86-64 the default index's torch bundles the CUDA libraries (a multi-GB
-  # download a CPU machine does not need). In order: a torch wheel already on this machine
-  # (pip's find-links, no index asked), the CPU wheel index where it answers, the default
-  # index as the last resort.
-  cpu_index=${KVMOVE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
-  torch_pin="torch==${KVMOVE_TORCH_VERSION:-2.13.0}"
-  # --no-deps: torch's own dependencies (filelock, sympy, ...) come from the index after.
-  if "${PIP[@]}" --no-index --no-deps "$torch_pin" >/dev/null 2>&1 \
-      && "${PIP[@]}" "$torch_pin"; then
-    say "torch: a wheel already on this machine ($(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
-  elif .venv/bin/python - "$cpu_index" <<'PY' 2>/dev/null
-import sys, urllib.request
-urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
-PY
-  then
-    say "torch: the CPU build, from the CPU wheel index $cpu_index"
-    "${PIP[@]}" torch --index-url "$cpu_index"
-  else
-    say "torch: the CPU wheel index $cpu_index does not answer; installing from the default"
-    say "       index (on Linux x86-64 that build carries CUDA libraries; it runs on the CPU)"
-    "${PIP[@]}" torch
-  fi
+  # shellcheck source=scripts/cpu_torch.sh
+  . scripts/cpu_torch.sh
+  install_cpu_torch .venv/bin/python "${KVMOVE_TORCH_VERSION:-2.13.0}"
 else
   say "installing torch (CUDA build, for a ${extra} driver)"
   "${PIP[@]}" torch

