@@ -376,15 +376,13 @@ class _WorkerSide:
             return
         keys = [self.key_prefix + h for t in meta.loads for h in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
-        for lo in range(0, len(keys), self.mover.staging.num_slots):
-            hi = lo + self.mover.staging.num_slots
-            pages = torch.tensor(block_ids[lo:hi], dtype=torch.int64).unsqueeze(1)
-            transfer = self.mover.prefetch(keys[lo:hi], pages, layerwise=self.plan.layerwise)
-            self._loads.append((transfer, block_ids[lo:hi]))
-            if not self.plan.layerwise:
-                self._finish_load(transfer, block_ids[lo:hi])
-        if not self.plan.layerwise:
-            self._loads.clear()
+        pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
+        # More blocks than staging slots run in staging-sized pieces inside the mover.
+        transfer = self.mover.prefetch(keys, pages, layerwise=self.plan.layerwise)
+        if self.plan.layerwise:
+            self._loads.append((transfer, block_ids))
+        else:
+            self._finish_load(transfer, block_ids)
 
     def wait_for_layer(self, layer_name: str) -> None:
         if not self._loads:
@@ -423,12 +421,10 @@ class _WorkerSide:
             return
         keys = [self.key_prefix + h for t in meta.saves for h in t.keys]
         block_ids = [b for t in meta.saves for b in t.block_ids]
-        for lo in range(0, len(keys), self.mover.staging.num_slots):
-            hi = lo + self.mover.staging.num_slots
-            pages = torch.tensor(block_ids[lo:hi], dtype=torch.int64).unsqueeze(1)
-            transfer = self.mover.evict(keys[lo:hi], pages)
-            transfer.gathered.wait()  # CUDA: vLLM reuses the blocks only after the gather
-            self._saves.append(transfer)
+        pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
+        transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
+        transfer.gathered.wait()  # CUDA: vLLM reuses the blocks only after the gather
+        self._saves.append(transfer)
 
     def _reap_saves(self, wait: bool = False) -> None:
         keep = []
