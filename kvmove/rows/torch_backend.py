@@ -41,8 +41,11 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     d0 = part.run("dst") if direct else None
     s0 = part.run("src") if direct else None
     wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
+    # One call for every layer where both sides allow it; one layer (a layer-wise prefetch)
+    # goes through the per-layer views, whose cache holds every layer of a run at once.
+    stack = len(layers) > 1
     if d0 is not None and s0 is not None:  # run to run: one copy per layer, or one in all
-        d3 = dst.stacked_run(layers, unit, d0, m, wide)
+        d3 = dst.stacked_run(layers, unit, d0, m, wide) if stack else None
         s3 = src.stacked_run(layers, unit, s0, m, wide) if d3 is not None else None
         if s3 is not None:
             d3.copy_(s3)
@@ -53,8 +56,9 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
         return
     s_idx = part.tensor("src", src.device)
     if d0 is not None:
-        s3, d3 = src.stacked_units(layers, unit, wide), dst.stacked_units(layers, unit, wide)
-        if s3 is not None and d3 is not None:  # into a run of every layer: one call
+        s3 = src.stacked_units(layers, unit, wide) if stack else None
+        d3 = dst.stacked_units(layers, unit, wide) if s3 is not None else None
+        if d3 is not None:  # into a run of every layer: one call
             torch.index_select(s3, 1, s_idx, out=d3[:, d0:d0 + m])
             return
         runs = dst.run_views(unit, d0, m)
@@ -65,7 +69,7 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
             return
     # Element-wise: in the widest element type both sides allow.
     d_idx = part.tensor("dst", dst.device)
-    d3 = dst.stacked_units(layers, unit, wide)
+    d3 = dst.stacked_units(layers, unit, wide) if stack else None
     s3 = src.stacked_units(layers, unit, wide) if d3 is not None else None
     if d3 is not None and s3 is not None:  # every layer in one call
         taken = s3[:, s0:s0 + m] if s0 is not None else s3.index_select(1, s_idx)
