@@ -20,6 +20,7 @@ from kvmove.keys import KeySpace, RawKeys
 from kvmove.rows.device_ring import prepare_rings
 from kvmove.rows.indices import as_index_tensor, check_range, check_unique
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
+from kvmove.rows.plan import SMALL_ROWS
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
 from kvmove.staging import StagingBuffer
 from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
@@ -145,7 +146,7 @@ class KVMover:
             self._warm_up()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
         self._lock = threading.Lock()
-        self._inflight: set[Future] = set()
+        self._inflight = 0  # background jobs queued or running
         self._stats = MoverStats(statuses={s: 0 for s in Status})
         self._closed = False
         store.register(self.staging)
@@ -234,9 +235,10 @@ class KVMover:
             pages = torch.from_numpy(host)
             bad = None
             if n and self.check:
-                check_range(pages, limit, "token_pages")
-                if not gathering:
-                    check_unique(pages, "token_pages")
+                if not _small_rows_ok(host, limit, unique=not gathering):
+                    check_range(pages, limit, "token_pages")  # raises, naming the bad one
+                    if not gathering:
+                        check_unique(pages, "token_pages")
             elif n:
                 out = ((host < -1) | (host >= limit)).any(axis=1)
                 bad = out if out.any() else None
@@ -265,7 +267,7 @@ class KVMover:
     @property
     def inflight(self) -> int:
         with self._lock:
-            return len(self._inflight)
+            return self._inflight
 
     def close(self) -> None:
         """Wait for in-flight transfers, then unregister and free the staging. Idempotent.
@@ -321,18 +323,26 @@ class KVMover:
 
     def _submit(self, fn, *args) -> Future:
         """Queue a background job, unless the mover was closed meanwhile (then the caller
-        frees its slots and the call raises ``KVMoveError``)."""
+        frees its slots and the call raises ``KVMoveError``). The job counts itself out when
+        it ends: no callback is added after the job may have started, which would make the
+        caller wait for the worker's lock (and the GIL) before returning."""
         with self._lock:
             if self._closed:
                 raise KVMoveError("the KVMover is closed")
-            future = self._executor.submit(fn, *args)
-            self._inflight.add(future)
-        future.add_done_callback(self._forget)
-        return future
+            self._inflight += 1
+        try:
+            return self._executor.submit(self._counted, fn, args)
+        except BaseException:
+            with self._lock:
+                self._inflight -= 1
+            raise
 
-    def _forget(self, future: Future) -> None:
-        with self._lock:
-            self._inflight.discard(future)
+    def _counted(self, fn, args):
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._inflight -= 1
 
     def _count(self, result: TransferResult, *, put: bool) -> None:
         with self._lock:
@@ -518,6 +528,21 @@ class Call:
         if isinstance(self.bad, torch.Tensor):
             return self._bad_host.numpy()
         return self.bad
+
+
+def _small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
+    """For a few rows (in Python: fewer fixed costs than numpy's calls), whether every row is
+    ``-1`` or in ``[0, limit)`` and, with ``unique``, no row repeats. False also where there
+    are too many rows to look at this way: then the numpy checks decide."""
+    if rows.size > SMALL_ROWS:
+        return False
+    flat = rows.ravel().tolist()
+    if min(flat) < -1 or max(flat) >= limit:
+        return False
+    if unique:
+        kept = [r for r in flat if r >= 0]
+        return len(set(kept)) == len(kept)
+    return True
 
 
 def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None:
