@@ -103,6 +103,23 @@ def suite_section(name: str, suite: dict) -> list[str]:
         return [f"*{name} suite: {suite.get('skipped') or suite.get('failed')}*", ""]
     command = re.sub(r" --json \S+", "", suite.get("command", ""))
     out = [f"**{name}** (`{command}`)" if command else f"**{name}**", ""]
+    if suite.get("benchmark") == "bench_sglang":
+        out += ["SGLang storage backend: kvmove's `KVMoveStorage` against SGLang's own "
+                f"Mooncake backend (SGLang {suite.get('sglang')}), same pages, same store:", "",
+                "| descriptors | pages x layers | SGLang ms | kvmove ms | kvmove faster |",
+                "|---|---:|---:|---:|---:|"]
+        out += [f"| {d['layout']} ({d['spans_per_key']} spans/key) | {d['pages']} x "
+                f"{d['layers']} | {d['median_s']['sglang'] * 1e3:.1f} | "
+                f"{d['median_s']['kvmove'] * 1e3:.1f} | {d['speedup']:.2f}x |"
+                for d in suite.get("describe", [])]
+        out += ["", "| batch_set_v1 / batch_get_v1 | pages x tokens | set (kvmove / SGLang) "
+                "| get (kvmove / SGLang) |", "|---|---:|---:|---:|"]
+        for e in suite.get("end_to_end", []):
+            what = f"| {e['layout']} | {e['pages']} x {e['page_size']} |"
+            out.append(f"{what} {e['failed']} | |" if "failed" in e else
+                       f"{what} {e['speedup_set']:.2f}x | {e['speedup_get']:.2f}x |")
+        out.append("")
+        return out
     d = suite.get("describe")
     if d:
         out += [f"- descriptors for {d['keys']} keys x {d['layers']} layers ({d['spans']} "
@@ -149,22 +166,6 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += _gbps_table(v["median_GBps"])
         out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
                 f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x", ""]
-    if suite.get("benchmark") == "bench_sglang":
-        out += ["SGLang storage backend: kvmove's `KVMoveStorage` against SGLang's own "
-                f"Mooncake backend (SGLang {suite.get('sglang')}), same pages, same store:", "",
-                "| descriptors | pages x layers | SGLang ms | kvmove ms | kvmove faster |",
-                "|---|---:|---:|---:|---:|"]
-        out += [f"| {d['layout']} ({d['spans_per_key']} spans/key) | {d['pages']} x "
-                f"{d['layers']} | {d['median_s']['sglang'] * 1e3:.1f} | "
-                f"{d['median_s']['kvmove'] * 1e3:.1f} | {d['speedup']:.2f}x |"
-                for d in suite.get("describe", [])]
-        out += ["", "| batch_set_v1 / batch_get_v1 | pages x tokens | set (kvmove / SGLang) "
-                "| get (kvmove / SGLang) |", "|---|---:|---:|---:|"]
-        for e in suite.get("end_to_end", []):
-            what = f"| {e['layout']} | {e['pages']} x {e['page_size']} |"
-            out.append(f"{what} {e['failed']} | |" if "failed" in e else
-                       f"{what} {e['speedup_set']:.2f}x | {e['speedup_get']:.2f}x |")
-        out.append("")
     if "median_GBps" in suite:
         what = ", ".join(f"{k} {suite[k]}" for k in ("device", "layers", "page_tokens", "pages")
                          if k in suite)
