@@ -155,27 +155,8 @@ class HostPool:
     # -- pages ----------------------------------------------------------------------------
     def pages_of(self, token_indices) -> np.ndarray:
         """int64 page numbers of ``token_indices`` (``n * page_tokens`` token slots, page by
-        page, as an engine hands them): the first slot of each page, which must start a
-        page. Raises ``ValueError`` for a length that is not whole pages, or a page that
-        does not start at a page boundary, and ``IndexError`` for a page outside the pool."""
-        idx = as_int_array(token_indices, "token_indices")
-        p = self.page_tokens
-        if idx.size % p:
-            raise ValueError(f"token_indices has {idx.size} entries, not a whole number of "
-                             f"pages of {p} tokens")
-        first = idx[::p]
-        bad = np.flatnonzero(first % p)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"token_indices[{i * p}] = {int(first[i])} does not start a "
-                             f"page of {p} tokens")
-        pages = first // p
-        out = np.flatnonzero((pages < 0) | (pages >= self.num_slots))
-        if out.size:
-            i = int(out[0])
-            raise IndexError(f"token_indices[{i * p}] = {int(first[i])} is page "
-                             f"{int(pages[i])}, outside the pool's {self.num_slots} pages")
-        return pages
+        page, as an engine hands them): see :func:`page_numbers`."""
+        return page_numbers(token_indices, self.page_tokens, self.num_slots, "token_indices")
 
     def describe(self, pages, keys: Sequence[str], *, valid_tokens=None) -> Descriptors:
         """Descriptors of ``pages`` under ``keys`` (one object per key): see
@@ -206,3 +187,29 @@ def concat(parts: Sequence[Descriptors]) -> Descriptors:
         if keys else np.zeros(0, dtype=np.int64)
     return Descriptors._trusted(keys, [p for d in parts for p in d.ptrs],
                                 [s for d in parts for s in d.sizes], nbytes, regions, None)
+
+
+def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str) -> np.ndarray:
+    """int64 page numbers of ``token_indices`` (``n * page_tokens`` token slots, page by
+    page): the first slot of each page, which must start a page. Raises ``ValueError`` for a
+    length that is not whole pages, or a page that does not start at a page boundary, and
+    ``IndexError`` for a page outside ``0 .. num_pages - 1``; each names ``name`` and the
+    bad index."""
+    idx = as_int_array(token_indices, name)
+    p = page_tokens
+    if idx.size % p:
+        raise ValueError(f"{name} has {idx.size} entries, not a whole number of pages of "
+                         f"{p} tokens")
+    first = idx[::p]
+    bad = np.flatnonzero(first % p)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i * p}] = {int(first[i])} does not start a page of {p} "
+                         "tokens")
+    pages = first // p
+    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    if out.size:
+        i = int(out[0])
+        raise IndexError(f"{name}[{i * p}] = {int(first[i])} is page {int(pages[i])}, "
+                         f"outside the pool's {num_pages} pages")
+    return pages

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmove.host_pool import HostPool
-from kvmove.rows.indices import as_int_array
+from kvmove.host_pool import HostPool, page_numbers
 
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 MHA_LAYOUTS = ("page_first", "page_first_direct")
@@ -40,27 +39,9 @@ class PoolView:
 
     def pages_of(self, host_indices) -> np.ndarray:
         """int64 page numbers of SGLang's ``host_indices`` (``n * page_size`` token slots):
-        the first slot of each page, which must start a page. ``ValueError`` /
-        ``IndexError`` naming the bad index otherwise."""
-        idx = as_int_array(host_indices, "host_indices")
-        p = self.page_size
-        if idx.size % p:
-            raise ValueError(f"host_indices has {idx.size} entries, not a whole number of "
-                             f"pages of {p} tokens")
-        first = idx[::p]
-        bad = np.flatnonzero(first % p)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"host_indices[{i * p}] = {int(first[i])} does not start a page "
-                             f"of {p} tokens")
-        pages = first // p
-        limit = self.components[0].num_slots
-        out = np.flatnonzero((pages < 0) | (pages >= limit))
-        if out.size:
-            i = int(out[0])
-            raise IndexError(f"host_indices[{i * p}] = {int(first[i])} is page {int(pages[i])}"
-                             f", outside the {self.kind} host pool's {limit} pages")
-        return pages
+        see :func:`kvmove.host_pool.page_numbers`."""
+        return page_numbers(host_indices, self.page_size, self.components[0].num_slots,
+                            "host_indices")
 
     def regions(self) -> list[tuple[int, int]]:
         return [r for c in self.components for r in c.regions()]
