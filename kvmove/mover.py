@@ -434,7 +434,9 @@ class KVMover:
         t0 = time.perf_counter()
         event = self._scatter(piece, slots, ok, layerwise, progress, ordered)
         times.scatter = time.perf_counter() - t0
-        if isinstance(piece.bad, torch.Tensor):  # device indices: known now, after the sync
+        if isinstance(piece.bad, torch.Tensor) and ok.any():
+            # Device indices: fetched with the scatter (there was one: some key was OK), known
+            # on the host now that it has finished.
             _fail_bad(piece.bad_on_host() & ok, statuses, codes)
         result = TransferResult(statuses, codes, _ok_bytes(desc, statuses), times)
         self._count(result, put=False)
