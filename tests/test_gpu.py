@@ -559,3 +559,49 @@ def test_graph_captured_gather_and_scatter_replay_with_new_indices():
             for layer in range(kv.num_layers(name)):
                 assert torch.equal(other.layer(name, layer)[rows_dst],
                                    kv.layer(name, layer)[rows_src]), f"replay {seed}: scatter"
+
+
+def test_device_indices_with_a_bad_row_fail_that_key_only(gpu_store, keyspace):
+    """Device-resident indices are checked on the device: the key whose page names a row
+    past the cache ends FAILED (BAD_ROWS) without a host sync in the call, is never stored
+    and never scattered; the others move; a prefetch whose keys all miss ends cleanly."""
+    from kvmove.status import BAD_ROWS
+
+    pt, kv_slots = 16, 1024
+    kv = build([("kv", 3, 656, torch.uint8, 0)], kv_slots)
+    expect = kv_bytes(kv)
+    mover = kvmove.KVMover(kv, gpu_store, page_tokens=pt, staging_slots=8)
+    try:
+        keys = keyspace(3)
+        pages = random_pages(kv_slots, 3, pt, pad=False).to(CUDA)
+        pages[1, 5] = kv_slots + 7  # past the cache
+        with no_host_sync():
+            t = mover.evict(keys, pages)
+        result = t.result(60)
+        assert result.statuses[0] is kvmove.Status.OK and result.statuses[2] is kvmove.Status.OK
+        assert result.statuses[1] is kvmove.Status.FAILED and result.codes[1] == BAD_ROWS
+        assert gpu_store.exists(mover.keyspace.store_keys(keys)) == [True, False, True]
+        dst = random_pages(kv_slots, 3, pt, pad=False, seed=5).to(CUDA)
+        dst[1, 0] = -5  # a found key with a bad destination row
+        before = kv_bytes(kv)
+        with no_host_sync():
+            p = mover.prefetch([keys[0], keys[2], keys[2] + "-x"], dst)
+        got = p.result(60)
+        p.scattered.synchronize()
+        assert got.statuses[0] is kvmove.Status.OK
+        assert got.statuses[1] is kvmove.Status.FAILED and got.codes[1] == BAD_ROWS
+        assert got.statuses[2] is kvmove.Status.MISS
+        after = kv_bytes(kv)
+        src0 = pages[0].cpu()
+        for name in expect:
+            for layer in range(len(expect[name])):
+                assert torch.equal(after[name][layer][dst[0].cpu()], expect[name][layer][src0])
+                for i in (1, 2):  # untouched
+                    rows = dst[i].cpu()
+                    rows = rows[(rows >= 0) & (rows < kv_slots)]
+                    assert torch.equal(after[name][layer][rows], before[name][layer][rows])
+        missing = mover.prefetch(keyspace(2, "none"), dst[:2])
+        assert missing.wait(60) == [kvmove.Status.MISS] * 2
+        missing.scattered.synchronize()
+    finally:
+        mover.close()
