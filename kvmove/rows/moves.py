@@ -10,8 +10,6 @@ counter, and duplicate destinations are not detected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvmove.cache import KVCache
@@ -57,15 +55,16 @@ def error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Te
     return errors
 
 
-@dataclass(frozen=True)
 class PagePlan:
     """What a gather or scatter of pages copies, worked out once: the row indices on the
     side that runs the copy, and the torch backend's plan where it has one. One plan serves
     every layer set of the same two pools (a layer-wise prefetch plans once)."""
 
-    src_rows: torch.Tensor
-    dst_rows: torch.Tensor
-    plan: RowPlan | None = None
+    __slots__ = ("dst_rows", "plan", "src_rows")
+
+    def __init__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                 plan: RowPlan | None = None):
+        self.src_rows, self.dst_rows, self.plan = src_rows, dst_rows, plan
 
 
 def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor, *,

@@ -126,20 +126,21 @@ class BufferRows:
 
     def stacked_run(self, layers: tuple[int, ...], unit: int, start: int, count: int,
                     dtype: torch.dtype) -> torch.Tensor | None:
-        """Units ``start .. start + count - 1`` of :meth:`stacked_units` (the views of the
-        runs used last are kept, as by :meth:`run_views`); None where there is no such
-        view."""
+        """Units ``start .. start + count - 1`` of :meth:`stacked_units`; None where there is
+        no such view. The views made last are kept (the oldest goes first; a hit costs one
+        dictionary lookup, no lock): a slot allocator hands out the same runs again and
+        again."""
         key = ("stacked", layers, unit, start, count, dtype)
-        with self._runs_lock:
-            view = self._runs.pop(key, None)
-        if view is None:
-            stacked = self.stacked_units(layers, unit, dtype)
-            if stacked is None:
-                return None
-            if start < 0 or count < 0 or start + count > stacked.shape[1]:
-                raise IndexError(f"buffer {self.name!r}: units {start}..{start + count - 1}"
-                                 f" of {unit} rows are outside its {stacked.shape[1]}")
-            view = stacked[:, start:start + count]
+        view = self._runs.get(key)
+        if view is not None:
+            return view
+        stacked = self.stacked_units(layers, unit, dtype)
+        if stacked is None:
+            return None
+        if start < 0 or count < 0 or start + count > stacked.shape[1]:
+            raise IndexError(f"buffer {self.name!r}: units {start}..{start + count - 1}"
+                             f" of {unit} rows are outside its {stacked.shape[1]}")
+        view = stacked[:, start:start + count]
         with self._runs_lock:
             self._runs[key] = view  # now the most recent
             while len(self._runs) > RUN_VIEWS_KEPT:

@@ -7,7 +7,6 @@ public entry points validate first, once.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -107,8 +106,8 @@ class PreparedCopy:
         self.backends = frozenset(p.backend for p in parts)
         self.src_rows_limit = next(iter(src.buffers.values())).num_rows
         self.dst_rows_limit = next(iter(dst.buffers.values())).num_rows
-        self._guard = (torch.cuda.device(self.device) if self.device.type == "cuda"
-                       else contextlib.nullcontext())
+        # On CUDA every launch runs on the device of the memory, whatever device is current.
+        self._guard = torch.cuda.device(self.device) if self.device.type == "cuda" else None
 
     @property
     def torch_only(self) -> bool:
@@ -124,26 +123,30 @@ class PreparedCopy:
         device."""
         if plan is None and src_rows.numel() == 0:
             return
+        if self._guard is None:
+            self._run(src_rows, dst_rows, errors, plan)
+        else:
+            with self._guard:
+                self._run(src_rows, dst_rows, errors, plan)
+
+    def _run(self, src_rows, dst_rows, errors, plan) -> None:
         on_device = None
         counter = errors  # count bad rows in the first buffer's copy only
-        with self._guard:
-            for part in self.parts:
-                if part.backend == "triton":
-                    if on_device is None:
-                        on_device = (src_rows.to(self.device, non_blocking=True).contiguous(),
-                                     dst_rows.to(self.device, non_blocking=True).contiguous())
-                    launch(part.kernel, *on_device, counter)
-                elif part.backend == "two_hop":
-                    copy_rows_two_hop(part.src, part.dst, list(part.layers), src_rows,
-                                      dst_rows, counter, direction=self.direction,
-                                      page_tokens=self.page_tokens)
-                else:
-                    if plan is None:
-                        plan = plan_rows(src_rows, dst_rows, part.src.num_rows,
-                                         part.dst.num_rows, self.page_tokens)
-                    copy_rows_torch(part.src, part.dst, part.layers, None, None, counter,
-                                    plan=plan)
-                counter = None
+        for part in self.parts:
+            if part.backend == "triton":
+                if on_device is None:
+                    on_device = (src_rows.to(self.device, non_blocking=True).contiguous(),
+                                 dst_rows.to(self.device, non_blocking=True).contiguous())
+                launch(part.kernel, *on_device, counter)
+            elif part.backend == "two_hop":
+                copy_rows_two_hop(part.src, part.dst, list(part.layers), src_rows, dst_rows,
+                                  counter, direction=self.direction, page_tokens=self.page_tokens)
+            else:
+                if plan is None:
+                    plan = plan_rows(src_rows, dst_rows, part.src.num_rows, part.dst.num_rows,
+                                     self.page_tokens)
+                copy_rows_torch(part.src, part.dst, part.layers, None, None, counter, plan=plan)
+            counter = None
 
 
 _cache_lock = threading.Lock()
