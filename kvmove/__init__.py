@@ -37,8 +37,13 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvmove' has no attribute {name!r}")
+    if module is None:  # a submodule not imported yet (``kvmove.status.BAD_ROWS``)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'kvmove' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -5,6 +5,8 @@ like a function it exports."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,3 +155,20 @@ def test_autotune_runs_when_a_mover_is_built_never_in_a_copy_call(monkeypatch, s
         kvmove.scatter(st, torch.tensor([0]), kv, torch.arange(16).reshape(1, 16))
     assert built == 1  # (on a CPU it finds nothing to tune)
     assert len(calls) == built and "tuned inside" not in calls
+
+
+def test_the_package_exports_load_lazily_and_name_their_submodules():
+    code = (
+        "import sys, kvmove\n"
+        "assert 'torch' not in sys.modules, 'import kvmove imported torch'\n"
+        "assert kvmove.status.BAD_ROWS < 0 and callable(kvmove.describe)\n"
+        "assert kvmove.KVMover.__module__ == 'kvmove.mover'\n"
+        "try:\n"
+        "    kvmove.no_such_name\n"
+        "except AttributeError:\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
