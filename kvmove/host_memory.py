@@ -64,20 +64,6 @@ def pinning_for(device: torch.device) -> Pinning | None:
     return CudaPinning() if device.type == "cuda" else None
 
 
-def registration_ranges(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The ``(address, nbytes)`` ranges registered for ``regions``: one per region, itself."""
-    return [(int(a), int(n)) for a, n in regions]
-
-
-def spans_crossing(spans, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The ``(address, nbytes)`` spans that do not lie inside a single one of ``ranges``."""
-    bad = []
-    for address, nbytes in spans:
-        if not any(a <= address and address + nbytes <= a + n for a, n in ranges):
-            bad.append((address, nbytes))
-    return bad
-
-
 def _unpin_at_collection(pinning: Pinning, address: int, mapping: mmap.mmap) -> None:
     # ``mapping`` is passed only to keep the pages mapped until the unregister has run.
     try:

@@ -52,3 +52,10 @@ def span_bytes(desc, i: int) -> bytes:
 def page(staging, slot: int) -> dict[str, torch.Tensor]:
     """A copy of every byte of one staging slot, per buffer ``[L, page_bytes]``."""
     return {n: staging.tensor(n)[:, slot].clone() for n in staging.buffer_names}
+
+
+def spans_crossing(spans, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``(address, nbytes)`` spans that do not lie inside a single one of ``ranges``
+    (registered host memory): a copy or store span must never cross a registration."""
+    return [(a, n) for a, n in spans
+            if not any(r <= a and a + n <= r + size for r, size in ranges)]

@@ -350,7 +350,7 @@ def test_registered_memory_is_read_and_written_by_the_device_through_its_address
 
 
 def test_staging_over_1_gib_moves_pages_across_the_old_chunk_boundary():
-    from kvmove.host_memory import spans_crossing
+    from tests.staging_data import spans_crossing
 
     rb, pt, slots_n = 656, 64, 13000  # 2 layers of 546 MB: one region of 1.09 GB
     kv = build([("kv", 2, rb, torch.uint8, 0)], 4096)
