@@ -32,8 +32,8 @@ import torch
 
 from bench.cases import Case
 from bench.workload import Workload
+from kvmove.memory.row_pool import shared_wide_type
 from kvmove.rows.plan import unit_tokens
-from kvmove.rows.pool import shared_wide_type
 
 Method = tuple[Callable[[], None], int]
 
@@ -157,7 +157,7 @@ def _spans(w: Workload, case: Case, per: str, max_calls: int):
 
 def _memcpy_loop(w: Workload, dst: list[int], src: list[int], size: int) -> Callable[[], None]:
     if w.device.type == "cuda":
-        from kvmove.cuda_api import memcpy_async as copy
+        from kvmove.memory.cuda_api import memcpy_async as copy
 
         def run() -> None:
             stream = torch.cuda.current_stream(w.device).cuda_stream

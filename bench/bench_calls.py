@@ -84,14 +84,13 @@ def _gpu_case(case: Case, device: torch.device):
     """``(kvmove calls, plain copy, close)`` of a case on a GPU: the tuner's workload (whole
     KV pages in a random order into staging slots 0..n-1) and one launch of the kernel with
     the config kvmove would pick, every argument prepared."""
-    from kvmove.kernels import configs
-
+    from kvmove.rows.launch_config import pick
     from kvmove.tuning.workload import Workload as TuningWorkload
 
     w = TuningWorkload(device, case.row_bytes, case.page_tokens, layers=case.layers,
                         target_bytes=case.nbytes)
-    config = configs.pick(case.direction, case.row_bytes, case.page_tokens,
-                          torch.cuda.get_device_name(device))
+    config = pick(case.direction, case.row_bytes, case.page_tokens,
+                  torch.cuda.get_device_name(device))
     launch = w.launcher(case.direction)
     calls = _kvmove_calls(w.kv, w.staging, w.token_pages, w.slots, case.direction, "triton")
     return calls, (lambda: launch(config)), w.close

@@ -59,8 +59,8 @@ def bench(args) -> dict:
         RankLocalStoreLayout,
     )
 
-    from kvmove.integrations.vllm_keys import RankNamespace, VLLMKeyFormat
-    from kvmove.integrations.vllm_layout import block_regions
+    from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat
+    from kvmove.integrations.vllm.layout import block_regions
 
     n, bs = args.blocks, args.block_size
     num_blocks = 2 * n + 1

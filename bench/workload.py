@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import kvmove
-from kvmove.host_memory import HostMemory
+from kvmove.memory.host_memory import HostMemory
 
 POISON = 0xA5
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmove.staging import StagingBuffer
+from kvmove.memory.staging import StagingBuffer
 
 TRAILER_BYTES = 8
 _MIX = 0x9E3779B97F4A7C15 - 2**64  # an odd 64-bit constant, as a signed int64

@@ -1,9 +1,9 @@
 """Per-key multi-buffer descriptors of staging slots (layer-first or page-first).
 
 One store key is one page. Its object is, in the cache's buffer declaration order, for each
-layer in ascending order, the page's first ``valid_tokens`` rows (DESIGN.md, "The canonical
-object"). In a layer-first staging buffer ``[L, num_slots, page_tokens * row_bytes]`` that is
-one span per (buffer, layer), at
+layer in ascending order, the page's first ``valid_tokens`` rows (the canonical object of
+``docs/API.md``). In a layer-first staging buffer ``[L, num_slots, page_tokens *
+row_bytes]`` that is one span per (buffer, layer), at
 
     tensor(name).data_ptr() + layer * layer_pitch + slot * slot_pitch
 
@@ -28,9 +28,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from kvmove.rows.indices import as_int_array
+from kvmove.checks import check_keys, check_slots, check_valid_tokens
 
-__all__ = ["Descriptors", "check_keys", "describe"]
+__all__ = ["Descriptors", "concat", "describe", "describe_trusted"]
 
 
 class Descriptors:
@@ -162,80 +162,6 @@ class Descriptors:
         )
 
 
-# -- validation -------------------------------------------------------------------------------
-
-
-def check_keys(keys: Sequence[str], name: str = "keys", *, unique: bool = True) -> list[str]:
-    """``keys`` as a new list, after checking that it is a sequence of non-empty ``str``
-    (and, with ``unique``, that no key repeats). Raises ``TypeError`` / ``ValueError``
-    naming ``name`` and the offending key."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, (Sequence, np.ndarray)):
-        raise TypeError(
-            f"{name} must be a sequence of str, got {type(keys).__name__}"
-            + (" (wrap a single key in a list)" if isinstance(keys, str) else "")
-        )
-    keys = list(keys)
-    if set(map(type, keys)) - {str}:
-        for i, k in enumerate(keys):
-            if not isinstance(k, str):
-                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}")
-    distinct = set(keys)
-    if "" in distinct:
-        raise ValueError(f"{name}[{keys.index('')}] is an empty string; keys must be non-empty")
-    if unique and len(distinct) != len(keys):
-        seen: set[str] = set()
-        for i, k in enumerate(keys):
-            if k in seen:
-                raise ValueError(f"{name}[{i}] = {k!r} repeats an earlier key; keys must be unique")
-            seen.add(k)
-    return keys
-
-
-def _check_slots(slots, n: int, num_slots: int) -> np.ndarray:
-    arr = as_int_array(slots, "slots")
-    if arr.size != n:
-        raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
-    if n:
-        bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
-        if bad.size:
-            i = int(bad[0])
-            raise IndexError(
-                f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
-                f"({bad.size} slot(s) out of range)"
-            )
-    return arr
-
-
-def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
-    """One int64 ``valid_tokens`` per key."""
-    if valid_tokens is None:
-        return np.full(n, page_tokens, dtype=np.int64)
-    if isinstance(valid_tokens, (bool, float, np.bool_, np.floating)):
-        raise TypeError(f"valid_tokens must be an int or one int per key, got {valid_tokens!r}")
-    if isinstance(valid_tokens, (int, np.integer)) or (
-        isinstance(valid_tokens, torch.Tensor) and valid_tokens.dim() == 0
-    ):
-        if isinstance(valid_tokens, torch.Tensor) and (
-            valid_tokens.is_floating_point() or valid_tokens.dtype == torch.bool
-        ):
-            raise TypeError(f"valid_tokens must be an int, got a {valid_tokens.dtype} tensor")
-        v = int(valid_tokens)
-        if not 1 <= v <= page_tokens:
-            raise ValueError(f"valid_tokens = {v} is outside 1..{page_tokens} (page_tokens)")
-        return np.full(n, v, dtype=np.int64)
-    arr = as_int_array(valid_tokens, "valid_tokens")
-    if arr.size != n:
-        raise ValueError(f"valid_tokens has {arr.size} entries for {n} keys; give one per key")
-    if n:
-        bad = np.flatnonzero((arr < 1) | (arr > page_tokens))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"valid_tokens[{i}] = {int(arr[i])} is outside 1..{page_tokens} (page_tokens)"
-            )
-    return arr
-
-
 # -- the span table ---------------------------------------------------------------------------
 
 
@@ -350,7 +276,7 @@ def describe(staging, slots, keys: Sequence[str], *, valid_tokens=None) -> Descr
     """
     keys = check_keys(keys)
     n = len(keys)
-    slot_ids = _check_slots(slots, n, staging.num_slots)
+    slot_ids = check_slots(slots, n, staging.num_slots)
     vt = check_valid_tokens(valid_tokens, n, staging.page_tokens)
     return describe_trusted(staging, slot_ids, keys, vt)
 
@@ -404,3 +330,23 @@ def _merged(ptrs: np.ndarray, values, group_of, starts, cols: _Columns):
         for i, row in zip(members.tolist(), ptrs[members][:, start].tolist(), strict=True):
             ptr_lists[i] = row
     return size_rows, ptr_lists
+
+
+def concat(parts: Sequence[Descriptors]) -> Descriptors:
+    """One batch of the keys of every descriptor set in ``parts``, in order (e.g. the
+    ``_k`` and the ``_v`` objects of a page batch, described from two pools). Keys must be
+    distinct across parts."""
+    parts = list(parts)
+    for i, d in enumerate(parts):
+        if not isinstance(d, Descriptors):
+            raise TypeError(f"parts[{i}] must be kvmove.Descriptors, got {type(d).__name__}")
+    if len(parts) == 1:
+        return parts[0]
+    keys = [k for d in parts for k in d.keys]
+    if len(set(keys)) != len(keys):
+        raise ValueError("concat: keys repeat across the descriptor sets")
+    regions = tuple(dict.fromkeys(r for d in parts for r in d.regions))
+    nbytes = np.concatenate([np.asarray(d.object_sizes(), dtype=np.int64) for d in parts]) \
+        if keys else np.zeros(0, dtype=np.int64)
+    return Descriptors._trusted(keys, [p for d in parts for p in d.ptrs],
+                                [s for d in parts for s in d.sizes], nbytes, regions, None)

@@ -9,8 +9,9 @@ import hashlib
 import json
 import re
 
-from kvmove.cache import KVCache
-from kvmove.staging import check_layout
+from kvmove.checks import check_layout
+from kvmove.memory.cache import KVCache
+from kvmove.memory.staging import LAYOUTS
 
 _PREFIX_OK = re.compile(r"^[A-Za-z0-9._\-]*$")
 
@@ -45,19 +46,13 @@ class KeySpace:
             raise ValueError(
                 f"key_prefix must use only letters, digits, '.', '_' and '-', got {prefix!r}"
             )
-        self.layout = check_layout(layout)
+        self.layout = check_layout(layout, LAYOUTS)
         self.fingerprint = geometry_fingerprint(kv, page_tokens, checksum, layout)
         self.namespace = f"kvm-{self.fingerprint}" + (f"-{prefix}" if prefix else "")
 
     def store_keys(self, keys: list[str]) -> list[str]:
         head = self.namespace + ":"
         return [head + k for k in keys]
-
-    def engine_key(self, store_key: str) -> str:
-        head = self.namespace + ":"
-        if not store_key.startswith(head):
-            raise ValueError(f"{store_key!r} is not a key of namespace {self.namespace!r}")
-        return store_key[len(head):]
 
 
 class RawKeys:
@@ -70,6 +65,3 @@ class RawKeys:
 
     def store_keys(self, keys: list[str]) -> list[str]:
         return list(keys)
-
-    def engine_key(self, store_key: str) -> str:
-        return store_key

@@ -12,17 +12,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmove.cache import KVCache
+from kvmove.checks import (
+    as_index_tensor,
+    check_keys,
+    check_positive_int,
+    check_range,
+    check_unique,
+    check_valid_tokens,
+    small_rows_ok,
+)
 from kvmove.checksum import TRAILER_BYTES, PageChecksum
-from kvmove.descriptors import Descriptors, check_keys, check_valid_tokens, describe_trusted
+from kvmove.descriptors import Descriptors, describe_trusted
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.keys import KeySpace, RawKeys
+from kvmove.memory.cache import KVCache
+from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.device_ring import prepare_rings
-from kvmove.rows.indices import as_index_tensor, check_range, check_unique
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
-from kvmove.rows.plan import SMALL_ROWS
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
-from kvmove.staging import StagingBuffer
 from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
 from kvmove.transfer import LayerProgress, StageTimes, Transfer, TransferResult, join_results
 from kvmove.tuning.autotune import tune_for_copies
@@ -108,8 +115,7 @@ class KVMover:
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive int, got {workers!r}")
+        check_positive_int(workers, "workers")
         self.kv = kv
         self.store = store
         self.staging = StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens,
@@ -146,7 +152,6 @@ class KVMover:
             self._warm_up()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
         self._lock = threading.Lock()
-        self._inflight = 0  # background jobs queued or running
         self._stats = MoverStats(statuses={s: 0 for s in Status})
         self._closed = False
         store.register(self.staging)
@@ -177,7 +182,7 @@ class KVMover:
             except StagingFull:
                 if first == 0:
                     raise
-                transfer._add(first, self._unstaged(len(call.keys) - first))
+                transfer.add_piece(first, self._unstaged(len(call.keys) - first))
                 break
             gathered = None
             try:
@@ -190,7 +195,7 @@ class KVMover:
                     gathered.synchronize()
                 self.staging.free(slots)
                 raise
-            transfer._add(first, future)
+            transfer.add_piece(first, future)
             if gathered is not None:
                 transfer.gathered = gathered
         return transfer
@@ -206,7 +211,7 @@ class KVMover:
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
-        transfer._add(0, self._submit(self._get_job, call, layerwise, transfer._progress))
+        transfer.add_piece(0, self._submit(self._get_job, call, layerwise, transfer.progress))
         return transfer
 
     # -- the call -------------------------------------------------------------------------
@@ -235,7 +240,7 @@ class KVMover:
             pages = torch.from_numpy(host)
             bad = None
             if n and self.check:
-                if not _small_rows_ok(host, limit, unique=not gathering):
+                if not small_rows_ok(host, limit, unique=not gathering):
                     check_range(pages, limit, "token_pages")  # raises, naming the bad one
                     if not gathering:
                         check_unique(pages, "token_pages")
@@ -263,11 +268,6 @@ class KVMover:
         with self._lock:
             s = self._stats
             return MoverStats(**{**s.__dict__, "statuses": dict(s.statuses)})
-
-    @property
-    def inflight(self) -> int:
-        with self._lock:
-            return self._inflight
 
     def close(self) -> None:
         """Wait for in-flight transfers, then unregister and free the staging. Idempotent.
@@ -323,26 +323,11 @@ class KVMover:
 
     def _submit(self, fn, *args) -> Future:
         """Queue a background job, unless the mover was closed meanwhile (then the caller
-        frees its slots and the call raises ``KVMoveError``). The job counts itself out when
-        it ends: no callback is added after the job may have started, which would make the
-        caller wait for the worker's lock (and the GIL) before returning."""
+        frees its slots and the call raises ``KVMoveError``)."""
         with self._lock:
             if self._closed:
                 raise KVMoveError("the KVMover is closed")
-            self._inflight += 1
-        try:
-            return self._executor.submit(self._counted, fn, args)
-        except BaseException:
-            with self._lock:
-                self._inflight -= 1
-            raise
-
-    def _counted(self, fn, args):
-        try:
-            return fn(*args)
-        finally:
-            with self._lock:
-                self._inflight -= 1
+            return self._executor.submit(fn, *args)
 
     def _count(self, result: TransferResult, *, put: bool) -> None:
         with self._lock:
@@ -530,21 +515,6 @@ class Call:
         if isinstance(self.bad, torch.Tensor):
             return self._bad_host.numpy()
         return self.bad
-
-
-def _small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
-    """For a few rows (in Python: fewer fixed costs than numpy's calls), whether every row is
-    ``-1`` or in ``[0, limit)`` and, with ``unique``, no row repeats. False also where there
-    are too many rows to look at this way: then the numpy checks decide."""
-    if rows.size > SMALL_ROWS:
-        return False
-    flat = rows.ravel().tolist()
-    if min(flat) < -1 or max(flat) >= limit:
-        return False
-    if unique:
-        kept = [r for r in flat if r >= 0]
-        return len(set(kept)) == len(kept)
-    return True
 
 
 def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None:

@@ -20,7 +20,7 @@ class Status(enum.Enum):
         return self is Status.OK
 
 
-# Mooncake error codes (mooncake-transfer-engine 0.3.13, DESIGN.md "Mooncake facts").
+# Mooncake error codes (mooncake-transfer-engine 0.3.13).
 NO_SPACE_CODES = frozenset({-200})
 INVALID_PARAMS = -600
 REPLICA_IS_NOT_READY = -703  # the key's put has not finished yet

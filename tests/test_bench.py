@@ -111,9 +111,9 @@ def test_per_call_baselines_copy_the_right_bytes():
 
 
 def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
-    bench_dir = Path(__file__).resolve().parent.parent / "bench"
-    script = bench_dir / "gpu_check.sh"
-    for each in (script, bench_dir / "gpu_payload.sh"):
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    script = scripts / "gpu_check.sh"
+    for each in (script, scripts / "gpu_payload.sh"):
         subprocess.run(["bash", "-n", str(each)], check=True)  # the whole script parses
     if shutil.which("nvidia-smi"):
         pytest.skip("a GPU machine: the script would run for real")

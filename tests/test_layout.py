@@ -1,16 +1,47 @@
-"""The package's layout shows its data flow: imports go one way (no cycle, lazy imports
-inside functions included), the copy path never reaches the tuner, and no module is named
-like a function it exports."""
+"""The package's layout shows its data flow, bottom up: memory -> row moves -> descriptors ->
+store -> mover / direct transfer, with the tools and engine integrations on top. Imports go
+one way (no cycle, lazy imports inside functions included; nothing imports a level above
+its own), the copy path never reaches the tuner, kernels know nothing of the host side, the
+root of ``kvmove/`` holds the data path only, no module is named like a function it
+exports, and a plain copy of the source tree imports without being installed."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"kvmove": ROOT / "kvmove", "kvmove.kernels": ROOT / "kernels"}
+PACKAGES = {"kvmove": ROOT / "kvmove"}
+
+# Each module's level (the longest matching prefix decides); an import may only go to the
+# same level or one below.
+LEVELS = {
+    "kvmove.errors": 0, "kvmove.status": 0, "kvmove.checks": 0, "kvmove.kernels": 0,
+    "kvmove.memory": 1,
+    "kvmove.rows": 2,
+    "kvmove.descriptors": 3, "kvmove.keys": 3, "kvmove.checksum": 3,
+    "kvmove.tuning": 4,
+    "kvmove.store": 5,
+    "kvmove.transfer": 6, "kvmove.mover": 6, "kvmove.direct": 6,
+    "kvmove.cli": 7, "kvmove.integrations": 7,
+    "kvmove": 7,  # the package root re-exports the public API: only tools import it
+}
+ROOT_MODULES = {"__init__", "errors", "status", "checks", "descriptors", "keys", "checksum",
+                "transfer", "mover"}
+ROOT_PACKAGES = {"kernels", "memory", "rows", "tuning", "store", "direct", "cli",
+                 "integrations"}
+
+
+def level_of(module: str) -> int:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in LEVELS:
+            return LEVELS[prefix]
+    raise AssertionError(f"{module} has no level in LEVELS")
 
 
 def modules() -> dict[str, Path]:
@@ -19,10 +50,7 @@ def modules() -> dict[str, Path]:
         for path in folder.rglob("*.py"):
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            name = ".".join([package, *parts])
-            if name.startswith("kvmove.kernels.") and package == "kvmove":
-                continue
-            found[name] = path
+            found[".".join([package, *parts])] = path
     return found
 
 
@@ -87,19 +115,40 @@ def test_imports_have_no_cycle():
     assert cycle_in(g) is None, f"import cycle: {' -> '.join(cycle_in(g))}"
 
 
-def test_nothing_below_the_public_api_imports_the_package_root():
-    # Applications built on the public API may use it as users do.
-    apps = {"demo", "cluster_demo", "cluster_node", "cli", "doctor", "master_command",
-            "integrations"}
-    users = sorted(n for n, deps in graph().items() if "kvmove" in deps
-                   and n.split(".")[1] not in apps)
-    assert users == [], f"modules that import the kvmove package itself: {users}"
+def test_nothing_imports_a_level_above_its_own():
+    upward = sorted(f"{n} ({level_of(n)}) -> {m} ({level_of(m)})"
+                    for n, deps in graph().items() for m in deps if level_of(m) > level_of(n))
+    assert upward == [], "imports that run up the data path:\n" + "\n".join(upward)
+
+
+def test_the_root_holds_the_data_path_only():
+    folder = ROOT / "kvmove"
+    modules = {p.stem for p in folder.glob("*.py")}
+    packages = {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    assert modules == ROOT_MODULES
+    assert packages == ROOT_PACKAGES - ({"direct"} - packages)
+
+
+def test_a_plain_copy_of_the_source_tree_imports_without_install(tmp_path):
+    # What a user gets from `git archive` (or a checkout) on PYTHONPATH, nothing installed.
+    shutil.copytree(ROOT / "kvmove", tmp_path / "kvmove",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    code = ("import sys, torch, kvmove, kvmove.kernels.row_copy, kvmove.cli.command\n"
+            "assert kvmove.__file__.startswith(sys.argv[1]), kvmove.__file__\n"
+            "assert kvmove.kernels.row_copy.__file__.startswith(sys.argv[1])\n"
+            "kv = kvmove.KVCache({'kv': torch.zeros(2, 8, 4, dtype=torch.uint8)})\n"
+            "print(kvmove.StagingBuffer(kv, num_slots=2, page_tokens=4).num_rows)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "8"
 
 
 def test_the_copy_path_never_reaches_the_tuner():
     g = graph()
     below = [n for n in g if n.startswith(("kvmove.rows", "kvmove.kernels"))
-             or n in ("kvmove.cache", "kvmove.staging", "kvmove.descriptors")]
+             or n in ("kvmove.memory.cache", "kvmove.memory.staging", "kvmove.descriptors")]
 
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]

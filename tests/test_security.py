@@ -1,6 +1,6 @@
 """Security: the embedded master listens on loopback only, nothing in kvmove builds a shell
 command, and user input reaches the master's argv only as separate arguments.
-(Malformed ``MOONCAKE_*`` values: tests/test_store_config.py.)"""
+(Malformed ``MOONCAKE_*`` values: tests/store/test_store_config.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from kvmove.errors import StoreError
 from kvmove.store.embedded_master import BINARY_ENV, EmbeddedMaster
-from tests.process_table import listening_addresses
+from tests.support.process_table import listening_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = [ROOT / "kvmove", ROOT / "kernels"]

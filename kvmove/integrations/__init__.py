@@ -1,3 +1,3 @@
-"""Engine integrations (``kvmove.integrations.sglang``, ``kvmove.integrations.vllm``): each
-module imports its engine only when it is itself imported, so the engine is never a
-dependency of kvmove."""
+"""Engine integrations, one package per engine (``kvmove.integrations.sglang``,
+``kvmove.integrations.vllm``), on top of the public API. Each imports its engine only in the
+modules that plug into it, so the engine is never a dependency of kvmove."""

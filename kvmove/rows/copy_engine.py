@@ -12,7 +12,7 @@ directions, so the copies still run after the work before them and before the wo
 them. Addresses are the ones the device uses (UVA addresses of pinned host memory); the
 direction of each copy follows from them (``cudaMemcpyDefault``). On the CPU each span is a
 ``memmove``. Spans of one call must not overlap. The CUDA calls go through
-:mod:`kvmove.cuda_api`; a batch the driver refuses is copied span by span, in that call only.
+:mod:`kvmove.memory.cuda_api`; a batch the driver refuses is copied span by span, in that call only.
 
 ``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span and 2-D copies only).
 """
@@ -27,7 +27,7 @@ import threading
 import numpy as np
 import torch
 
-from kvmove import cuda_api
+from kvmove.memory import cuda_api
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ MAX_2D_PITCH = (1 << 31) - 1  # cudaDevAttrMaxPitch on current GPUs: wider pitch
 
 
 class CudaCopier:
-    """Span copies on CUDA through :mod:`kvmove.cuda_api` (``api``: any object with its
+    """Span copies on CUDA through :mod:`kvmove.memory.cuda_api` (``api``: any object with its
     ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_batch`` and ``has_memcpy_batch``)."""
 
     def __init__(self, api=cuda_api):

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from kvmove.rows.pool import BufferRows
+from kvmove.memory.row_pool import BufferRows
 
 ENV_RING_BYTES = "KVMOVE_RING_BYTES"
 DEFAULT_RING_BYTES = 256 << 20

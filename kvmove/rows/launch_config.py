@@ -1,12 +1,13 @@
-"""The launch config and path of a row copy on a device, looked up in tables only: the
-per-user tuning cache (``$XDG_CACHE_HOME/kvmove/tuned/<gpu>-triton<version>.json``, written
-by ``kvmove tune``), the tables shipped in ``kvmove/kernels/tuned/``, then the defaults
-(:mod:`kvmove.kernels.configs`). Nothing here measures or tunes: tuning
-(:mod:`kvmove.tuning`) sits above the copy API and writes the files this module reads.
+"""The one lookup of a row copy's launch config and path on a device: tables registered in
+this process (the per-user tuning cache, ``$XDG_CACHE_HOME/kvmove/tuned/<gpu>-triton<version>
+.json``, written by ``kvmove tune`` or ``KVMOVE_AUTOTUNE=1``, and trial tables of the
+tuner), then the defaults (:mod:`kvmove.kernels.configs`). Nothing here measures or tunes:
+tuning (:mod:`kvmove.tuning`) sits above the copy API and writes what this module reads.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -15,14 +16,22 @@ from pathlib import Path
 
 import torch
 
-from kvmove.kernels import configs
-from kvmove.kernels.configs import LaunchConfig, TunedTable
+from kvmove.kernels.configs import (
+    INTERPRETER_CONFIG,
+    LaunchConfig,
+    TunedTable,
+    config_key,
+    default_config,
+    gpu_slug,
+)
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _user_tables: dict[str, TunedTable] = {}  # gpu slug -> the registered user-cache table
 _gpu_names: dict[int, str] = {}
+# Registered tables, first wins: (gpu slug, or None for every GPU, table).
+_registered: list[tuple[str | None, TunedTable]] = []
 
 
 def triton_version() -> str:
@@ -39,7 +48,7 @@ def cache_dir() -> Path:
 def cache_path(gpu_name: str, version: str | None = None) -> Path:
     """The user cache file of a GPU and a Triton version."""
     version = triton_version() if version is None else version
-    return cache_dir() / f"{configs.gpu_slug(gpu_name)}-triton{version}.json"
+    return cache_dir() / f"{gpu_slug(gpu_name)}-triton{version}.json"
 
 
 def read_cache(path: Path) -> dict:
@@ -57,63 +66,109 @@ def read_cache(path: Path) -> dict:
     return data
 
 
+# -- registered tables ------------------------------------------------------------------------
+def register_table(table: TunedTable, gpu_name: str | None = None) -> None:
+    """Put ``table`` in front of the tables registered so far, for the GPU named
+    ``gpu_name`` or, with None, for every GPU. A later registration wins."""
+    with _lock:
+        _registered.insert(0, (None if gpu_name is None else gpu_slug(gpu_name), table))
+
+
+def unregister_table(table: TunedTable) -> None:
+    """Remove a table registered earlier (every registration of that very object)."""
+    with _lock:
+        _registered[:] = [(s, t) for s, t in _registered if t is not table]
+
+
+def tables_for(gpu_name: str) -> list[TunedTable]:
+    """The tables consulted for ``gpu_name``, in lookup order (defaults excluded)."""
+    slug = gpu_slug(gpu_name)
+    with _lock:
+        return ([t for s, t in _registered if s == slug]
+                + [t for s, t in _registered if s is None])
+
+
+def pick(direction: str, row_bytes: int, page_tokens: int, gpu_name: str | None) -> LaunchConfig:
+    """The launch config for a copy: registered tables, then the defaults. ``gpu_name`` None
+    means the Triton interpreter (its one fixed config)."""
+    if gpu_name is None:
+        return INTERPRETER_CONFIG
+    key = config_key(direction, row_bytes, page_tokens)
+    for table in tables_for(gpu_name):
+        if key in table.configs:
+            return table.configs[key]
+    return default_config(row_bytes)
+
+
+def pick_path(direction: str, row_bytes: int, page_tokens: int, gpu_name: str) -> str | None:
+    """The path recorded as faster for this shape on this GPU (``"direct"`` or
+    ``"two_hop"``), in the lookup order of :func:`pick`; None where none was measured."""
+    key = config_key(direction, row_bytes, page_tokens)
+    for table in tables_for(gpu_name):
+        if key in table.paths:
+            return table.paths[key]
+    return None
+
+
+# -- the user cache ---------------------------------------------------------------------------
 def user_table(gpu_name: str) -> TunedTable:
-    """The user cache of ``gpu_name``, registered in front of the shipped tables on first
-    call (later lookups see what ``kvmove tune`` adds to it in this process)."""
-    slug = configs.gpu_slug(gpu_name)
+    """The user cache of ``gpu_name``, registered on first call (later lookups see what
+    ``kvmove tune`` adds to it in this process)."""
+    slug = gpu_slug(gpu_name)
     table = _user_tables.get(slug)
     if table is None:
+        path = cache_path(gpu_name)
+        try:
+            table = TunedTable.from_json(read_cache(path))
+        except (TypeError, ValueError, AttributeError) as e:
+            log.warning("ignoring the malformed tuning cache %s: %s", path, e)
+            table = TunedTable()
         with _lock:
-            table = _user_tables.get(slug)
-            if table is None:
-                path = cache_path(gpu_name)
-                try:
-                    table = configs.tuned_table_from_json(read_cache(path))
-                except (TypeError, ValueError, AttributeError) as e:
-                    log.warning("ignoring the malformed tuning cache %s: %s", path, e)
-                    table = TunedTable()
-                configs.register_table(table, gpu_name)
-                _user_tables[slug] = table
-                if table.configs:
-                    log.info("using %d tuned configs from %s", len(table.configs), path)
+            if slug in _user_tables:
+                return _user_tables[slug]
+            _registered.append((slug, table))  # behind trial tables registered before it
+            _user_tables[slug] = table
+        if table.configs:
+            log.info("using %d tuned configs from %s", len(table.configs), path)
     return table
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def gpu_name(device: torch.device) -> str:
     """The name of the CUDA GPU ``device`` (its index, or the current one), asked of the
     driver once per device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    name = _gpu_names.get(index)
-    if name is None:
-        name = _gpu_names.setdefault(index, torch.cuda.get_device_name(index))
-    return name
+    return _device_name(index)
 
 
 def config_for(device: torch.device, direction: str, row_bytes: int,
-                  page_tokens: int) -> LaunchConfig:
-    """The kernel's launch config for a copy on ``device``: user cache, shipped table,
-    defaults on a GPU; the interpreter's fixed config on the CPU."""
+               page_tokens: int) -> LaunchConfig:
+    """The kernel's launch config for a copy on ``device``: registered tables (the user
+    cache among them), then defaults on a GPU; the interpreter's fixed config on the CPU."""
     if device.type != "cuda":
-        return configs.pick(direction, row_bytes, page_tokens, None)
+        return INTERPRETER_CONFIG
     name = gpu_name(device)
     user_table(name)
-    return configs.pick(direction, row_bytes, page_tokens, name)
+    return pick(direction, row_bytes, page_tokens, name)
 
 
 def preferred_backend(device: torch.device, direction: str, row_bytes: int,
                       page_tokens: int) -> str:
-    """``"two_hop"`` where the tuner recorded that path as faster for this shape on this GPU
-    (user cache, then shipped table), else ``"triton"`` (the direct kernel)."""
+    """``"two_hop"`` where the tuner recorded that path as faster for this shape on this
+    GPU, else ``"triton"`` (the direct kernel)."""
     name = gpu_name(device)
     user_table(name)
-    path = configs.pick_path(direction, row_bytes, page_tokens, name)
-    return "two_hop" if path == "two_hop" else "triton"
+    return "two_hop" if pick_path(direction, row_bytes, page_tokens, name) == "two_hop" \
+        else "triton"
 
 
 def reset() -> None:
-    """Forget the registered user caches and the shipped tables read so far."""
+    """Forget every registered table (the user caches are re-read on next use)."""
     with _lock:
         _user_tables.clear()
-        _gpu_names.clear()
-        configs.clear_registered()
-        configs.clear_shipped_cache()
+        _registered.clear()
+    _device_name.cache_clear()

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from kvmove.cache import KVCache
-from kvmove.rows.indices import (
+from kvmove.checks import (
     as_index_tensor,
     check_disjoint,
     check_range,
     check_unique,
-    page_rows,
 )
+from kvmove.memory.cache import KVCache
+from kvmove.memory.row_pool import RowPool
+from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.plan import RowPlan, plan_whole_pages
-from kvmove.rows.pool import RowPool
 from kvmove.rows.prepared import PreparedCopy, kernel_device, prepared_copy
-from kvmove.staging import StagingBuffer
+from kvmove.rows.row_numbers import page_rows
 
 Pool = KVCache | StagingBuffer
 

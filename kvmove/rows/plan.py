@@ -16,11 +16,11 @@ import functools
 import numpy as np
 import torch
 
+from kvmove.checks import SMALL_ROWS  # up to this many rows, Python lists cost less
+
 # Pages move in units of at most this many bytes: torch's CPU index_select leaves its
 # memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
 UNIT_BYTES = 16 << 10
-# Up to this many rows, whole pages are recognised with Python lists (fewer fixed costs).
-SMALL_ROWS = 256
 
 
 def _as_numpy(rows: torch.Tensor) -> np.ndarray:

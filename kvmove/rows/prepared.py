@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmove.memory.row_pool import BufferRows, RowPool
 from kvmove.rows.launch_config import preferred_backend
 from kvmove.rows.plan import RowPlan, plan_rows
-from kvmove.rows.pool import BufferRows, RowPool
 from kvmove.rows.torch_backend import copy_rows_torch
 from kvmove.rows.triton_launch import KernelArgs, kernel_args, launch
 from kvmove.rows.two_hop import copy_rows_two_hop

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from kvmove.memory.row_pool import BufferRows, shared_wide_type
 from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
-from kvmove.rows.pool import BufferRows, shared_wide_type
 
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,

@@ -10,8 +10,8 @@ import torch
 
 from kvmove.kernels.alignment import pow2_alignment
 from kvmove.kernels.configs import LaunchConfig
+from kvmove.memory.row_pool import BufferRows
 from kvmove.rows.launch_config import config_for
-from kvmove.rows.pool import BufferRows
 
 
 @dataclass(frozen=True)

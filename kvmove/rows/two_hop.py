@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvmove.memory.row_pool import BufferRows
 from kvmove.rows.copy_engine import copy_span_grid
 from kvmove.rows.device_ring import ring_for
-from kvmove.rows.pool import BufferRows
 from kvmove.rows.torch_backend import copy_rows_torch
 from kvmove.rows.triton_launch import kernel_args, launch
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib.util
 import logging
 import os
@@ -54,8 +55,8 @@ from kvmove.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CLIENT_TTL_S", "EmbeddedMaster", "find_master_binary", "master_argv",
-           "tcp_reachable"]
+__all__ = ["DEFAULT_CLIENT_TTL_S", "EmbeddedMaster", "check_bindable", "find_master_binary",
+           "free_ports", "master_argv", "tcp_reachable"]
 
 BINARY_ENV = "KVMOVE_MOONCAKE_MASTER"  # explicit path to a mooncake_master binary
 # Seconds the master keeps a client that stopped sending heartbeats (Mooncake's
@@ -190,7 +191,7 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _free_ports(host: str, count: int) -> list[int]:
+def free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct free TCP ports on ``host`` (held open together while chosen)."""
     socks = []
     try:
@@ -202,6 +203,25 @@ def _free_ports(host: str, count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise :class:`kvmove.StoreError` with the cause when a listener cannot bind TCP
+    ``port`` on ``host`` (the port is taken, or ``host`` is not an address of this
+    machine); port 0 checks the address only."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host.strip("[]"), port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise StoreError(f"port {port} on {host} is in use (another mooncake_master, or "
+                             f"another service): pick a free port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise StoreError(f"{host} is not an address of this machine: bind to one of its "
+                             f"own addresses, or 0.0.0.0 for all") from None
+        raise StoreError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _listener_owner(pid: int, port: int) -> bool | None:
@@ -249,10 +269,18 @@ def _exited(proc: subprocess.Popen, timeout: float) -> bool:
     return True
 
 
-def _stop_process(proc: subprocess.Popen, log_path: str, keep_log: bool, grace: float,
+class _LogFile:
+    """The master's log file (``path`` None: it writes to this process's stderr), and
+    whether to keep it when the master stops."""
+
+    def __init__(self, path: str | None, keep: bool):
+        self.path, self.keep = path, keep
+
+
+def _stop_process(proc: subprocess.Popen, logfile: _LogFile, grace: float,
                   owner_pid: int | None = None) -> None:
-    """Terminate, then kill, ``proc``; remove its log unless ``keep_log``. Does nothing in a
-    forked child (``owner_pid`` is the process that started ``proc``)."""
+    """Terminate, then kill, ``proc``; remove its log unless ``logfile.keep``. Does nothing
+    in a forked child (``owner_pid`` is the process that started ``proc``)."""
     if owner_pid is not None and os.getpid() != owner_pid:
         return
     if proc.poll() is None:
@@ -265,9 +293,9 @@ def _stop_process(proc: subprocess.Popen, log_path: str, keep_log: bool, grace: 
                 proc.kill()
             if not _exited(proc, 5.0):
                 log.error("mooncake_master pid %d survived SIGKILL for 5 s", proc.pid)
-    if not keep_log:
+    if not logfile.keep and logfile.path is not None:
         with contextlib.suppress(OSError):
-            os.unlink(log_path)
+            os.unlink(logfile.path)
 
 
 # -- SIGTERM ------------------------------------------------------------------------------
@@ -328,7 +356,11 @@ class EmbeddedMaster:
     (Mooncake's ``--client_ttl``; :data:`DEFAULT_CLIENT_TTL_S` here, ``None`` for
     Mooncake's 10 s). ``extra_args``: more ``--flag=value``
     arguments. ``start_timeout``: seconds to wait for the RPC port. ``keep_log``: keep the
-    log file after a clean stop (it is always kept when the start fails).
+    log file after a clean stop (it is always kept when the start fails); ``log_to_stderr``:
+    no log file, the master writes to this process's standard error. ``host``: the address
+    to bind (loopback by default); ``rpc_port`` / ``metrics_port``: fixed ports (default:
+    free ones, retried on a race). A fixed port in use, or a host that is not this machine's,
+    raises :class:`kvmove.StoreError` naming the cause before anything starts.
 
     ``address`` is the ``host:port`` to give a client as its master address.
     """
@@ -344,51 +376,74 @@ class EmbeddedMaster:
         keep_log: bool = False,
         binary: str | None = None,
         host: str = "127.0.0.1",
+        rpc_port: int | None = None,
+        metrics_port: int | None = None,
+        log_to_stderr: bool = False,
     ):
         _check_positive_int("kv_lease_ttl_ms", kv_lease_ttl_ms)
         _check_positive_int("client_ttl_s", client_ttl_s)
         if isinstance(extra_args, str) or not all(isinstance(a, str) for a in extra_args):
             raise TypeError(f"extra_args must be a sequence of str, got {extra_args!r}")
+        for name, port in (("rpc_port", rpc_port), ("metrics_port", metrics_port)):
+            if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                     or not 0 < port < 65536):
+                raise ValueError(f"{name} must be a port 1..65535, got {port!r}")
         self.host = host
         self.binary = binary or find_master_binary()
+        for port in (rpc_port, metrics_port):  # a taken port or a foreign host: say so now
+            if port is not None:
+                check_bindable(host, port)
+        if rpc_port is None or metrics_port is None:
+            check_bindable(host, 0)
         self.stop_timeout = stop_timeout
         self.start_timeout = start_timeout
-        self.keep_log = keep_log
-        fd, self.log_path = tempfile.mkstemp(prefix="kvmove-mooncake-master-", suffix=".log")
-        os.close(fd)
+        path = None
+        if not log_to_stderr:
+            fd, path = tempfile.mkstemp(prefix="kvmove-mooncake-master-", suffix=".log")
+            os.close(fd)
+        self._log = _LogFile(path, keep_log)
         self._proc: subprocess.Popen | None = None
         self._finalizer = None
         self._owner_pid = os.getpid()
         _install_sigterm_handler()
         _LIVE.add(self)
-        for attempt in range(1, _PORT_ATTEMPTS + 1):
-            self.rpc_port, self.metrics_port = _free_ports(host, 2)
+        attempts = _PORT_ATTEMPTS if rpc_port is None else 1  # a fixed port is tried once
+        for attempt in range(1, attempts + 1):
+            self.rpc_port, self.metrics_port = self._ports(rpc_port, metrics_port)
             argv = master_argv(self.binary, host=host, rpc_port=self.rpc_port,
                                metrics_port=self.metrics_port, client_ttl_s=client_ttl_s,
                                kv_lease_ttl_ms=kv_lease_ttl_ms, extra_args=extra_args)
             self.argv = argv
-            if self._start(argv, start_timeout, last_attempt=attempt == _PORT_ATTEMPTS):
+            if self._start(argv, start_timeout, last_attempt=attempt == attempts):
                 break
         log.info("mooncake_master pid %d on %s (log %s)", self.pid, self.address, self.log_path)
 
+    def _ports(self, rpc_port: int | None, metrics_port: int | None) -> tuple[int, int]:
+        """The RPC and metrics ports: those given, free ones for the others."""
+        free = iter(free_ports(self.host.strip("[]"),
+                               (rpc_port is None) + (metrics_port is None)))
+        return (rpc_port if rpc_port is not None else next(free),
+                metrics_port if metrics_port is not None else next(free))
+
     def _start(self, argv: list[str], timeout: float, *, last_attempt: bool) -> bool:
         """Spawn and wait for readiness; ``False`` when the ports were taken meanwhile."""
-        with open(self.log_path, "ab") as logfile:
+        with contextlib.ExitStack() as files:
+            out = (None if self.log_path is None
+                   else files.enter_context(open(self.log_path, "ab")))
             proc = _Spawner.popen(
-                argv, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 close_fds=True, start_new_session=True,
                 preexec_fn=_die_with_parent(os.getpid()),
             )
         self._proc = proc
         self._finalizer = weakref.finalize(
-            self, _stop_process, proc, self.log_path, self.keep_log, self.stop_timeout,
-            self._owner_pid,
+            self, _stop_process, proc, self._log, self.stop_timeout, self._owner_pid,
         )
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 self._finalizer.detach()
-                tail = _tail(self.log_path)
+                tail = self.log_tail()
                 if not last_attempt and "in use" in tail.lower():
                     log.info("mooncake_master port race on %d; retrying", self.rpc_port)
                     return False
@@ -406,10 +461,11 @@ class EmbeddedMaster:
                     return False
             if time.monotonic() > deadline:
                 self._finalizer.detach()
-                _stop_process(proc, self.log_path, True, self.stop_timeout)
+                self._log.keep = True
+                _stop_process(proc, self._log, self.stop_timeout)
                 raise StoreError(
                     f"mooncake_master did not accept connections on {self.address} within "
-                    f"{timeout:.0f}s; log {self.log_path}:\n{_tail(self.log_path)}"
+                    f"{timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.02)
 
@@ -443,8 +499,29 @@ class EmbeddedMaster:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The master's exit code once it has exited, else None."""
+        return None if self._proc is None else self._proc.poll()
+
+    @property
+    def log_path(self) -> str | None:
+        """The master's log file (None when it writes to this process's stderr)."""
+        return self._log.path
+
+    @property
+    def keep_log(self) -> bool:
+        """Whether the log file is kept when the master stops (it is after a failed start)."""
+        return self._log.keep
+
+    @keep_log.setter
+    def keep_log(self, keep: bool) -> None:
+        self._log.keep = bool(keep)
+
     def log_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of the master's log, for error messages."""
+        if self.log_path is None:
+            return "(the log went to standard error)"
         return _tail(self.log_path, lines)
 
     def stop(self) -> None:

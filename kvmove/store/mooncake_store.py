@@ -436,17 +436,6 @@ class MooncakeStore:
                     if rc != 0:
                         log.warning("unregister_buffer(%#x) returned %d", address, rc)
 
-    @property
-    def registered_regions(self) -> list[tuple[int, int]]:
-        """The ``(address, nbytes)`` regions registered now."""
-        with self._register_lock:
-            return list(self._state.registered.items())
-
-    def regions_in_use(self) -> dict[int, int]:
-        """``{address: calls}``: the registered regions that put/get calls are using now."""
-        with self._register_lock:
-            return {a: n for a, n in self._state.in_use.items() if n}
-
     @contextlib.contextmanager
     def _using(self, client, desc: Descriptors):
         """Register the memory of ``desc`` if needed, and count this call as a user of its

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
-from kvmove.kernels import configs
-from kvmove.rows.launch_config import cache_path, gpu_name, user_table
+from kvmove.kernels.configs import config_key
+from kvmove.rows.launch_config import cache_path, gpu_name, pick, user_table
 from kvmove.tuning.key_tuning import KeyResult, apply, tune_key, write_results
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def tune_missing(gpu: str, device: torch.device,
     tuned = []
     with _lock:
         for direction, row_bytes, page_tokens in shapes:
-            key = configs.config_key(direction, row_bytes, page_tokens)
+            key = config_key(direction, row_bytes, page_tokens)
             if key in table.configs:
                 continue
             log.warning("KVMOVE_AUTOTUNE: tuning %s on %s (once; cached in %s)", key, gpu,
@@ -47,7 +47,7 @@ def tune_missing(gpu: str, device: torch.device,
                 write_results(cache_path(gpu), gpu, [result])
             except Exception as e:  # a failed tuning must never break the engine
                 log.warning("autotuning %s failed: %s", key, e)
-                table.configs[key] = configs.pick(direction, row_bytes, page_tokens, gpu)
+                table.configs[key] = pick(direction, row_bytes, page_tokens, gpu)
                 continue
             apply(table, [result])
             tuned.append(result)

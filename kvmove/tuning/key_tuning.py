@@ -18,6 +18,7 @@ import torch
 
 from kvmove.kernels import configs
 from kvmove.kernels.configs import LaunchConfig, TunedTable
+from kvmove.rows import launch_config
 from kvmove.rows.launch_config import read_cache, triton_version
 from kvmove.tuning.config_search import search, start_config
 from kvmove.tuning.workload import Workload
@@ -126,12 +127,12 @@ def tune_key(device: torch.device, direction: str, row_bytes: int, page_tokens: 
         if compare_paths:
             gpu_name = torch.cuda.get_device_name(device)
             trial = TunedTable(configs={key: best})
-            configs.register_table(trial, gpu_name)
+            launch_config.register_table(trial, gpu_name)
             try:
                 direct = bench_seconds(work.copier(direction, "triton"), quick=quick)
                 two_hop = bench_seconds(work.copier(direction, "two_hop"), quick=quick)
             finally:
-                configs.unregister_table(trial)
+                launch_config.unregister_table(trial)
             result.direct_gbps = work.nbytes / direct / 1e9
             result.two_hop_gbps = work.nbytes / two_hop / 1e9
         return result

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvmove.cache import KVCache
 from kvmove.kernels.alignment import pow2_alignment
 from kvmove.kernels.configs import LaunchConfig
 from kvmove.kernels.row_copy import copy_rows as launch
+from kvmove.memory.cache import KVCache
+from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.moves import gather, scatter
-from kvmove.staging import StagingBuffer
 
 
 class Workload:

@@ -1,1 +1,0 @@
-"""Tests that need an engine installed in its own venv (see scripts/test_sglang.sh)."""

@@ -1,0 +1,259 @@
+"""Argument checks, in one place: every public entry point validates its arguments here,
+once, before anything is written. Each check raises ``TypeError`` / ``ValueError`` /
+``IndexError`` naming the argument and the first bad value.
+
+Checks of index tensors run on the host only: a tensor on a device would have to be waited
+for, so callers leave those to the kernel's error counter.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+# Up to this many rows, index checks run on Python lists (fewer fixed costs than numpy's).
+SMALL_ROWS = 256
+
+
+def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None = None
+                    ) -> torch.Tensor:
+    """``value`` as an int32/int64 tensor of ``dim`` dimensions, on the CPU or ``device``,
+    or a clear error naming ``name``. Lists and tuples of ints are accepted (int64)."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (list, tuple)):
+            rows = value if dim == 2 else [value]
+            if not all(isinstance(row, (list, tuple)) for row in rows) or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                for row in rows for x in row
+            ):
+                raise TypeError(f"{name} must hold integers in {dim} dimension(s), "
+                                f"got {value!r:.80}")
+            try:
+                value = torch.tensor(value, dtype=torch.int64)
+            except (RuntimeError, ValueError, OverflowError) as e:
+                raise ValueError(f"{name} is not a valid index list: {e}") from None
+            if value.numel() == 0:
+                value = value.reshape((0,) * dim if dim == 1 else (0, 0))
+        else:
+            raise TypeError(f"{name} must be an int32/int64 tensor, got {type(value).__name__}")
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got dtype {value.dtype}")
+    if value.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(value.shape)}")
+    if value.device.type != "cpu" and value.device != device:
+        raise ValueError(
+            f"{name} is on {value.device}; indices must be on the CPU"
+            + (f" or {device}" if device is not None and device.type != "cpu" else "")
+        )
+    return value
+
+
+def _values(rows: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The flat values of a CPU index tensor, as a numpy view (small arrays cost a fraction
+    of what torch ops do per call). The checks here run on the host only: a device tensor
+    would have to be waited for, so callers leave those to the kernel's error counter."""
+    if isinstance(rows, np.ndarray):
+        return rows.reshape(-1)
+    if rows.device.type != "cpu":
+        raise TypeError(f"host-side index check of a tensor on {rows.device}")
+    return rows.reshape(-1).numpy()
+
+
+def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
+    """Every entry is ``-1`` or in ``[0, limit)``; else ``IndexError`` with the first bad
+    value and its position."""
+    if rows.numel() == 0:
+        return
+    a = _values(rows)
+    if int(a.min()) >= -1 and int(a.max()) < limit:
+        return
+    pos = int(np.flatnonzero((a < -1) | (a >= limit))[0])
+    raise IndexError(
+        f"{name}[{pos}] = {int(a[pos])} is out of range: valid values are -1 "
+        f"(skip) and 0..{limit - 1}"
+    )
+
+
+def check_unique(rows: torch.Tensor | np.ndarray, name: str, *, page_tokens: int = 1) -> None:
+    """No destination row named twice (``-1`` excepted): the result would depend on order.
+    ``rows`` may be page numbers of whole pages of ``page_tokens`` rows (the message names
+    the page's first row)."""
+    a = _values(rows)
+    if a.shape[0] < 2 or bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
+        return
+    kept = np.sort(a[a >= 0])
+    dups = kept[1:][kept[1:] == kept[:-1]]
+    if dups.size:
+        raise ValueError(f"{name} names row/slot {int(dups[0]) * page_tokens} more than "
+                         "once; destinations must be unique")
+
+
+def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Within one pool, no row is both read and written (``-1`` excepted): the result would
+    depend on the order of the copies."""
+    a, b = _values(src_rows), _values(dst_rows)
+    shared = np.intersect1d(a[a >= 0], b[b >= 0])
+    if shared.size:
+        raise ValueError(f"src_rows and dst_rows both name row {int(shared[0])} of the same "
+                         "pool: a copy within one pool must not write a row it reads")
+
+
+def as_int_array(value, name: str) -> np.ndarray:
+    """``value`` (tensor, array or sequence of ints) as a 1-D int64 numpy array."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} must hold integers, got a tensor of {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise TypeError(f"{name} must be a tensor with data, got a meta tensor")
+        return value.detach().cpu().numpy().astype(np.int64, copy=False)
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must hold integers, got {type(value).__name__} {value!r}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise TypeError(f"{name} must be a sequence of integers, got {value!r:.80} ({e})") \
+            from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got {type(value).__name__} of shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) or (
+        arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max
+    ):
+        items = value if isinstance(value, (list, tuple)) else arr.tolist()
+        bad = next((v for v in items if isinstance(v, bool) or not isinstance(v, int)
+                    or not -(2**63) <= v < 2**63), arr[0])
+        raise TypeError(f"{name} must hold int64 integers, got {bad!r:.40}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_positive_int(value, name: str) -> int:
+    """``value`` when it is an int > 0 (not a bool); else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_layout(layout, allowed: Sequence[str], name: str = "layout") -> str:
+    """``layout`` after checking that it is one of ``allowed``."""
+    if layout not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {layout!r}")
+    return layout
+
+
+def check_keys(keys: Sequence[str], name: str = "keys", *, unique: bool = True) -> list[str]:
+    """``keys`` as a new list, after checking that it is a sequence of non-empty ``str``
+    (and, with ``unique``, that no key repeats). Raises ``TypeError`` / ``ValueError``
+    naming ``name`` and the offending key."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"{name} must be a sequence of str, got {type(keys).__name__}"
+            + (" (wrap a single key in a list)" if isinstance(keys, str) else "")
+        )
+    keys = list(keys)
+    if set(map(type, keys)) - {str}:
+        for i, k in enumerate(keys):
+            if not isinstance(k, str):
+                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}")
+    distinct = set(keys)
+    if "" in distinct:
+        raise ValueError(f"{name}[{keys.index('')}] is an empty string; keys must be non-empty")
+    if unique and len(distinct) != len(keys):
+        seen: set[str] = set()
+        for i, k in enumerate(keys):
+            if k in seen:
+                raise ValueError(f"{name}[{i}] = {k!r} repeats an earlier key; keys must be unique")
+            seen.add(k)
+    return keys
+
+
+def check_slots(slots, n: int, num_slots: int) -> np.ndarray:
+    arr = as_int_array(slots, "slots")
+    if arr.size != n:
+        raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
+    if n:
+        bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
+        if bad.size:
+            i = int(bad[0])
+            raise IndexError(
+                f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
+                f"({bad.size} slot(s) out of range)"
+            )
+    return arr
+
+
+def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
+    """One int64 ``valid_tokens`` per key."""
+    if valid_tokens is None:
+        return np.full(n, page_tokens, dtype=np.int64)
+    if isinstance(valid_tokens, (bool, float, np.bool_, np.floating)):
+        raise TypeError(f"valid_tokens must be an int or one int per key, got {valid_tokens!r}")
+    if isinstance(valid_tokens, (int, np.integer)) or (
+        isinstance(valid_tokens, torch.Tensor) and valid_tokens.dim() == 0
+    ):
+        if isinstance(valid_tokens, torch.Tensor) and (
+            valid_tokens.is_floating_point() or valid_tokens.dtype == torch.bool
+        ):
+            raise TypeError(f"valid_tokens must be an int, got a {valid_tokens.dtype} tensor")
+        v = int(valid_tokens)
+        if not 1 <= v <= page_tokens:
+            raise ValueError(f"valid_tokens = {v} is outside 1..{page_tokens} (page_tokens)")
+        return np.full(n, v, dtype=np.int64)
+    arr = as_int_array(valid_tokens, "valid_tokens")
+    if arr.size != n:
+        raise ValueError(f"valid_tokens has {arr.size} entries for {n} keys; give one per key")
+    if n:
+        bad = np.flatnonzero((arr < 1) | (arr > page_tokens))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"valid_tokens[{i}] = {int(arr[i])} is outside 1..{page_tokens} (page_tokens)"
+            )
+    return arr
+
+
+def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str) -> np.ndarray:
+    """int64 page numbers of ``token_indices`` (``n * page_tokens`` token slots, page by
+    page): the first slot of each page, which must start a page. Raises ``ValueError`` for a
+    length that is not whole pages, or a page that does not start at a page boundary, and
+    ``IndexError`` for a page outside ``0 .. num_pages - 1``; each names ``name`` and the
+    bad index."""
+    idx = as_int_array(token_indices, name)
+    p = page_tokens
+    if idx.size % p:
+        raise ValueError(f"{name} has {idx.size} entries, not a whole number of pages of "
+                         f"{p} tokens")
+    first = idx[::p]
+    bad = np.flatnonzero(first % p)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i * p}] = {int(first[i])} does not start a page of {p} "
+                         "tokens")
+    pages = first // p
+    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    if out.size:
+        i = int(out[0])
+        raise IndexError(f"{name}[{i * p}] = {int(first[i])} is page {int(pages[i])}, "
+                         f"outside the pool's {num_pages} pages")
+    return pages
+
+
+def small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
+    """For a few rows (in Python: fewer fixed costs than numpy's calls), whether every row is
+    ``-1`` or in ``[0, limit)`` and, with ``unique``, no row repeats. False also where there
+    are too many rows to look at this way: then the numpy checks decide."""
+    if rows.size > SMALL_ROWS:
+        return False
+    flat = rows.ravel().tolist()
+    if min(flat) < -1 or max(flat) >= limit:
+        return False
+    if unique:
+        kept = [r for r in flat if r >= 0]
+        return len(set(kept)) == len(kept)
+    return True

@@ -1,0 +1,330 @@
+"""``KVMoveStorage``: kvmove as an SGLang HiCache storage backend, loaded by SGLang's
+``"dynamic"`` backend::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name":"kvmove","module_path":"kvmove.integrations.sglang",
+      "class_name":"KVMoveStorage","interface_v1":1}'
+
+It stores exactly the objects and keys of SGLang's own Mooncake backend for the same storage
+config (:mod:`kvmove.integrations.sglang.keys`, :mod:`kvmove.integrations.sglang.pools`), so
+a fleet that mixes the two shares objects, and answers SGLang's calls zero-copy from the
+registered host pool: descriptors are built by :class:`kvmove.HostPool` (vectorised, no
+Python loop over pages or layers), puts and gets go through :class:`kvmove.MooncakeStore`
+(a get counts only when the object is exactly the page's size).
+
+SGLang is imported here only: importing :mod:`kvmove` never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransferResult,
+)
+
+import kvmove
+from kvmove.descriptors import concat, describe
+from kvmove.integrations.sglang.keys import SGLangKeys
+from kvmove.integrations.sglang.pools import PoolView, indexer_view, kv_view
+from kvmove.integrations.sglang.store_config import store_config_for
+from kvmove.memory.host_memory import HostMemory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVMoveStorage"]
+
+_DONE = (kvmove.Status.OK, kvmove.Status.EXISTS)  # a page component that is stored
+
+
+class KVMoveStorage(HiCacheStorage):
+    """SGLang HiCache storage on a Mooncake store, through kvmove.
+
+    ``storage_config``: SGLang's ``HiCacheStorageConfig``; ``kwargs``: what SGLang's
+    factory passes (``{}``). The store comes from ``extra_config``
+    (``master_server_address``, ...), ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the
+    ``MOONCAKE_*`` variables, as for SGLang's own Mooncake backend
+    (:mod:`kvmove.integrations.sglang.store_config`). Raises ``ValueError`` for a configuration
+    it does not serve (split heads, decode context parallelism) before connecting.
+    """
+
+    def __init__(self, storage_config, kwargs: dict | None = None):
+        if getattr(storage_config, "should_split_heads", False):
+            raise ValueError("kvmove's SGLang backend does not serve split-head MHA storage "
+                             "(tp_lcm_size != tp_size)")
+        if int(getattr(storage_config, "dcp_size", 1) or 1) > 1:
+            raise ValueError("kvmove's SGLang backend does not serve decode context "
+                             "parallelism (dcp_size > 1)")
+        self.storage_config = storage_config
+        self.keys = SGLangKeys(storage_config)
+        self.is_mla = self.keys.is_mla
+        self.store = kvmove.MooncakeStore(store_config_for(storage_config))
+        self.mem_pool_host = None
+        self.kv: PoolView | None = None
+        self.side: dict[str, PoolView] = {}
+        self.registered_pools: dict[Any, Any] = {}
+        self._bounce: HostMemory | None = None  # the legacy calls' registered copy buffer
+        self._bounce_lock = threading.Lock()
+        self._closed = False
+        log.info("kvmove SGLang backend on master %s, key prefix %r", self.store.address,
+                 self.keys.prefix)
+
+    # -- registration -----------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Register the anchor KV host pool's buffers with the store, once. Raises
+        ``ValueError`` naming the pool kind and layout when kvmove does not serve it."""
+        view = kv_view(mem_pool_host, is_mla=self.is_mla)
+        for pool in view.components:
+            self.store.register(pool)
+        self.mem_pool_host, self.kv = mem_pool_host, view
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """Register a side pool. The anchor (``kv``) was registered by
+        :meth:`register_mem_pool_host`; the DSA indexer pool is served; any other raises
+        ``ValueError`` naming it."""
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
+            return
+        if name != str(PoolName.INDEXER):
+            raise ValueError(f"kvmove's SGLang backend serves the DSA indexer side pool only, "
+                             f"not {name!r} ({type(host_pool).__name__})")
+        view = indexer_view(host_pool)
+        for pool in view.components:
+            self.store.register(pool)
+        self.registered_pools[host_pool_name] = host_pool
+        self.side[name] = view
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _kv_view(self) -> PoolView:
+        if self.kv is None:
+            raise RuntimeError("no host pool registered: SGLang calls register_mem_pool_host "
+                               "before any transfer")
+        return self.kv
+
+    def _describe(self, view: PoolView, object_keys: list[list[str]], host_indices):
+        """Descriptors of every object of the pages ``host_indices``: component by
+        component (``object_keys[c]`` names component ``c``'s objects)."""
+        pages = view.pages_of(host_indices)
+        if len(pages) != len(object_keys[0]):
+            raise ValueError(f"{len(object_keys[0])} keys for {len(pages)} pages of "
+                             f"host_indices")
+        return concat([describe(pool, pages, keys)
+                       for pool, keys in zip(view.components, object_keys, strict=True)])
+
+    @staticmethod
+    def _per_page(statuses, n: int, ok=(kvmove.Status.OK,)) -> list[bool]:
+        """A page succeeds when every one of its objects did (objects component-major)."""
+        good = np.fromiter((s in ok for s in statuses), dtype=bool, count=len(statuses))
+        return good.reshape(-1, n).all(axis=0).tolist() if n else []
+
+    def _exists(self, object_keys: list[list[str]]) -> list[bool]:
+        """Per page, whether all its objects are stored."""
+        n = len(object_keys[0])
+        return self._per_page(self.store.exists([k for ks in object_keys for k in ks]), n,
+                              ok=(True,))
+
+    # -- the zero-copy interface (interface_v1) ---------------------------------------------
+    def batch_exists(self, keys, extra_info=None) -> int:
+        """The number of leading pages of ``keys`` whose objects are all stored."""
+        if not keys:
+            return 0
+        found = self._exists(self.keys.kv_objects(keys))
+        return found.index(False) if False in found else len(found)
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        """Read pages ``keys`` into the host pool at ``host_indices``. ``True`` only for a
+        page whose objects were all read and had exactly the page's size; the rows of a
+        missing page are untouched."""
+        if not keys:
+            return []
+        desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
+        return self._per_page(self.store.get(desc), len(keys))
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        """Store pages ``keys`` from the host pool at ``host_indices``; objects that exist
+        are kept, not sent again (SGLang's behaviour). ``True`` for a page whose objects are
+        all stored."""
+        if not keys:
+            return []
+        desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
+        return self._per_page(self.store.put(desc, detect_exists=True), len(keys), ok=_DONE)
+
+    # -- side pools (v2) ---------------------------------------------------------------------
+    def _side(self, transfer) -> tuple[str, PoolView]:
+        name = str(transfer.name)
+        if name == str(PoolName.KV):
+            return name, self._kv_view()
+        view = self.side.get(name)
+        if view is None:
+            raise ValueError(f"side pool {name!r} is not registered with kvmove's SGLang "
+                             f"backend (registered: {sorted(self.side)})")
+        return name, view
+
+    def _side_objects(self, name: str, keys) -> list[list[str]]:
+        if name == str(PoolName.KV):
+            return self.keys.kv_objects(keys)
+        return [self.keys.side_objects(keys, name)]
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        """The usable prefix over the KV pages and every side pool of ``pool_transfers``
+        (``ALL_PAGES``: each page of the prefix; ``TRAILING_PAGES``: the last
+        ``len(transfer.keys)`` pages of it)."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name, _ = self._side(transfer)
+            found = self._exists(self._side_objects(name, keys[:kv_pages]))
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = found.index(False) if False in found else kv_pages
+                allowed = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys) if transfer.keys else 1)
+                allowed = {n for n in range(1, kv_pages + 1)
+                           if all(found[max(0, n - window):n])}
+                boundary = max(allowed, default=0)
+            else:
+                raise ValueError(f"side pool {name!r}: hit policy {transfer.hit_policy} is not "
+                                 f"served by kvmove's SGLang backend")
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable = [n for n in restorable if n in allowed]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def _batch_v2(self, transfers, *, put: bool) -> dict:
+        """One store call for the objects of every transfer."""
+        parts, spans = [], []
+        for transfer in transfers:
+            name, view = self._side(transfer)
+            keys = list(transfer.keys or [])
+            if not keys:
+                spans.append((transfer.name, 0, 0))
+                continue
+            desc = self._describe(view, self._side_objects(name, keys), transfer.host_indices)
+            spans.append((transfer.name, len(keys), len(desc)))
+            parts.append(desc)
+        statuses = []
+        if parts:
+            desc = concat(parts)
+            statuses = self.store.put(desc, detect_exists=True) if put else self.store.get(desc)
+        out, at = {}, 0
+        for name, n, count in spans:
+            out[name] = self._per_page(statuses[at:at + count], n,
+                                       ok=_DONE if put else (kvmove.Status.OK,))
+            at += count
+        return out
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        """Read each transfer's pages into its pool: ``{pool name: [bool per page]}``."""
+        return self._batch_v2(transfers, put=False)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        """Store each transfer's pages from its pool: ``{pool name: [bool per page]}``."""
+        return self._batch_v2(transfers, put=True)
+
+    # -- the legacy interface: copy through a registered buffer -----------------------------
+    def _legacy(self, keys: list[str], values: list[torch.Tensor] | None, *, put: bool):
+        """Put ``values`` (flat pages, as SGLang's ``get_data_page`` gives them) under
+        ``keys``, or get the pages into them, copying through one registered buffer. The
+        objects are the v1 objects: a flat MHA page is its k half then its v half."""
+        view = self._kv_view()
+        sizes = view.page_bytes
+        page = sum(sizes)
+        for i, v in enumerate(values):
+            if not isinstance(v, torch.Tensor) or v.numel() * v.element_size() != page:
+                raise ValueError(f"values[{i}] must be a tensor of one page ({page} bytes), "
+                                 f"got {type(v).__name__} "
+                                 f"{getattr(v, 'shape', '')} {getattr(v, 'dtype', '')}")
+        n = len(keys)
+        with self._bounce_lock:
+            bounce = self._bounce_of(n * page)
+            flat = bounce.tensor[: n * page].view(n, page)
+            if put:
+                for i, v in enumerate(values):
+                    flat[i].copy_(v.contiguous().view(-1).view(torch.uint8))
+            base = flat.data_ptr()
+            ptrs, lens, names, offset = [], [], [], 0
+            for size, objects in zip(sizes, self.keys.kv_objects(keys), strict=True):
+                ptrs += [[base + i * page + offset] for i in range(n)]
+                lens += [[size]] * n
+                names += objects
+                offset += size
+            desc = kvmove.Descriptors(names, ptrs, lens, regions=[(bounce.address,
+                                                                   bounce.nbytes)])
+            if put:
+                return self._per_page(self.store.put(desc, detect_exists=True), n, ok=_DONE)
+            ok = self._per_page(self.store.get(desc), n)
+            for i, v in enumerate(values):
+                if ok[i]:
+                    v.view(-1).view(torch.uint8).copy_(flat[i])
+            return ok
+
+    def _bounce_of(self, nbytes: int) -> HostMemory:
+        """The registered copy buffer, grown to at least ``nbytes`` (caller holds the lock)."""
+        if self._bounce is None or self._bounce.nbytes < nbytes:
+            if self._bounce is not None:
+                self.store.unregister([(self._bounce.address, self._bounce.nbytes)])
+                self._bounce.close()
+            self._bounce = HostMemory(max(nbytes, 1 << 20), pin=False)
+            self.store.register([(self._bounce.address, self._bounce.nbytes)])
+        return self._bounce
+
+    def get(self, key, target_location=None, target_sizes=None):
+        """Read page ``key`` into the flat page tensor ``target_location``; it, or ``None``
+        on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        """Read pages into the flat page tensors ``target_locations``: per key the tensor, or
+        ``None`` where the page was not read."""
+        keys = list(keys)
+        if not keys:
+            return []
+        if target_locations is None or len(target_locations) != len(keys):
+            raise ValueError("batch_get needs one flat page tensor per key in "
+                             "target_locations")
+        ok = self._legacy(keys, list(target_locations), put=False)
+        return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        """Store the flat page tensor ``value`` under page ``key``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        """Store flat page tensors ``values`` under page ``keys``; ``True`` when all are
+        stored."""
+        keys = list(keys)
+        if not keys:
+            return False
+        if values is None or len(values) != len(keys):
+            raise ValueError("batch_set needs one flat page tensor per key in values")
+        return all(self._legacy(keys, list(values), put=True))
+
+    def exists(self, key) -> bool:
+        """Whether page ``key``'s objects are all stored."""
+        return self.batch_exists([key]) == 1
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unregister the pools and leave the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.store.close()
+        if self._bounce is not None:
+            self._bounce.close()
+
+    def __repr__(self) -> str:
+        pools = [self.kv.kind] if self.kv else []
+        pools += [f"{name}" for name in self.side]
+        return (f"KVMoveStorage(master {self.store.address}, prefix {self.keys.prefix!r}, "
+                f"pools {pools})")

@@ -1,0 +1,101 @@
+"""kvmove's view of SGLang's host pools: which (pool, layout) combinations it serves, and the
+:class:`kvmove.HostPool` of each object a page is stored as.
+
+Served (the objects SGLang's own Mooncake backend stores):
+
+- MLA (``MLATokenToKVPoolHost.kv_buffer``): ``layer_first`` ``[L, size, 1, dim]`` (one span
+  per layer), ``page_first`` ``[size, L, 1, dim]`` and ``page_first_direct`` ``[pages, L,
+  page, 1, dim]`` (one span per page); one object per page.
+- MHA (``MHATokenToKVPoolHost.kv_buffer``, ``[2, ...]``): ``page_first`` and
+  ``page_first_direct``; two objects per page, k then v. (SGLang's Mooncake backend refuses
+  MHA ``layer_first`` too: its k and v spans of a page are interleaved per layer.)
+- the DSA indexer side pool (``DSAIndexerPoolHost.index_k_with_scale_buffer``, ``[pages, L,
+  1, page_bytes]``): ``page_first`` and ``page_first_direct``; one object per page.
+
+Anything else raises ``ValueError`` naming the combination, when the pool is registered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmove.checks import page_numbers
+from kvmove.memory.host_pool import HostPool
+
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+MHA_LAYOUTS = ("page_first", "page_first_direct")
+INDEXER_LAYOUTS = ("page_first", "page_first_direct")
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The host pools of one SGLang pool's objects (one per object of a page), and how its
+    token indices map to pages."""
+
+    components: tuple[HostPool, ...]
+    page_size: int  # SGLang's tokens per page
+    kind: str  # "mla", "mha" or "indexer", for messages
+
+    def pages_of(self, host_indices) -> np.ndarray:
+        """int64 page numbers of SGLang's ``host_indices`` (``n * page_size`` token slots):
+        see :func:`kvmove.checks.page_numbers`."""
+        return page_numbers(host_indices, self.page_size, self.components[0].num_slots,
+                            "host_indices")
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [r for c in self.components for r in c.regions()]
+
+    @property
+    def page_bytes(self) -> list[int]:
+        """Bytes of each object of one page."""
+        return [c.object_bytes for c in self.components]
+
+
+def _unsupported(kind: str, layout: str, served: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"kvmove's SGLang backend does not serve {kind} host pools in layout {layout!r} "
+        f"(served: {', '.join(served)}); launch SGLang with --hicache-mem-layout "
+        "page_first"
+    )
+
+
+def kv_view(pool, *, is_mla: bool) -> PoolView:
+    """The view of SGLang's anchor KV host pool (``register_mem_pool_host``)."""
+    layout = getattr(pool, "layout", None)
+    kind = "MLA" if is_mla else "MHA"
+    buffer = getattr(pool, "kv_buffer", None)
+    if buffer is None:
+        raise ValueError(f"{kind} host pool {type(pool).__name__} has no kv_buffer (a logical "
+                         f"anchor pool): kvmove's SGLang backend serves physical KV pools")
+    page = int(pool.page_size)
+    if is_mla:
+        if layout not in MLA_LAYOUTS:
+            raise _unsupported(kind, layout, MLA_LAYOUTS)
+        if buffer.dim() not in (4, 5):
+            raise ValueError(f"MLA host pool kv_buffer has shape {tuple(buffer.shape)}; "
+                             f"is the storage config's is_mla_model right?")
+        return PoolView((HostPool({"kv": buffer}, page_tokens=page, layout=layout),), page,
+                        "MLA")
+    if layout not in MHA_LAYOUTS:
+        raise _unsupported(kind, layout, MHA_LAYOUTS)
+    if buffer.dim() < 5 or buffer.shape[0] != 2:
+        raise ValueError(f"MHA host pool kv_buffer has shape {tuple(buffer.shape)}, expected "
+                         f"[2, ...] (k and v); is the storage config's is_mla_model right?")
+    return PoolView((HostPool({"k": buffer[0]}, page_tokens=page, layout=layout),
+                     HostPool({"v": buffer[1]}, page_tokens=page, layout=layout)), page, "MHA")
+
+
+def indexer_view(pool) -> PoolView:
+    """The view of SGLang's DSA indexer side pool (``register_mem_host_pool_v2``)."""
+    layout = getattr(pool, "layout", None)
+    if layout not in INDEXER_LAYOUTS:
+        raise _unsupported("DSA indexer", layout, INDEXER_LAYOUTS)
+    buffer = getattr(pool, "index_k_with_scale_buffer", None)
+    if buffer is None or buffer.dim() != 4:
+        raise ValueError(f"DSA indexer host pool has no [pages, L, 1, page_bytes] "
+                         f"index_k_with_scale_buffer (got {getattr(buffer, 'shape', None)})")
+    # One SGLang page is one opaque row per layer: a page_first_direct pool of one-row pages.
+    host = HostPool({"indexer": buffer}, page_tokens=1, layout="page_first_direct")
+    return PoolView((host,), int(pool.page_size), "DSA indexer")

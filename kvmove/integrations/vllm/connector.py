@@ -1,0 +1,92 @@
+"""kvmove as a vLLM KV connector (V1), sharing objects with vLLM's ``MooncakeStoreConnector``.
+
+Load it by module path::
+
+    --kv-transfer-config '{"kv_connector":"KVMoveConnector",
+        "kv_connector_module_path":"kvmove.integrations.vllm","kv_role":"kv_both"}'
+
+One vLLM block is one kvmove row (one page of one token): the KV cache is described as
+``kvmove.KVCache`` over vLLM's per-layer block regions (:mod:`.layout`), keys are vLLM's
+own (:mod:`.keys`), and a ``kvmove.KVMover`` with raw keys gathers + puts on save and gets
++ scatters on load. ``kv_connector_extra_config`` accepts ``cache_prefix`` (as vLLM's),
+``layerwise`` (default true: loads land layer by layer inside the forward; false: the whole
+load ends in ``start_load_kv``) and ``staging_bytes`` (default 1 GiB of staging).
+
+vLLM is imported here only; ``import kvmove`` never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.plan import plan_from_vllm
+from kvmove.integrations.vllm.scheduler import SchedulerSide
+from kvmove.integrations.vllm.worker import WorkerSide
+
+__all__ = ["KVMoveConnector"]
+
+
+class KVMoveConnector(KVConnectorBase_V1):
+    """A vLLM KV connector on kvmove. The scheduler side looks up a request's block hashes
+    in one batched ``exists`` and schedules loads and saves; the worker side gathers a
+    step's new full blocks into staging in one call and puts them in the background, and
+    gets + scatters loads (layer by layer inside the forward, or all at once)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.plan = plan_from_vllm(vllm_config, kv_cache_config)
+        self._side: SchedulerSide | WorkerSide
+        if role == KVConnectorRole.SCHEDULER:
+            self._side = SchedulerSide(self.plan)
+        else:
+            self._side = WorkerSide(self.plan, vllm_config, kv_cache_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise loads wait inside the forward, between graph pieces.
+        return str((extra_config or {}).get("layerwise", "true")).lower() == "true"
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._side.start_load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._side.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None  # all layers of a block are saved together in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._side.save(self._get_connector_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._side.take_load_errors()
+
+    def shutdown(self) -> None:
+        self._side.close()
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._side.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._side.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVMoveConnectorMetadata:
+        return self._side.build_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        # A save's gather has finished (CPU) or is ordered before vLLM's next use of the
+        # blocks (CUDA) by the end of the step that scheduled it: free them at once.
+        self._side.forget(request.request_id)
+        return False, None

@@ -1,0 +1,116 @@
+"""What both sides of the vLLM connector agree on (:class:`ConnectorPlan`: block sizes, key
+format, ranks, options), read from vLLM's config, and what one step moves
+(:class:`BlockTransfer`). vLLM is imported only inside :func:`plan_from_vllm`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat, block_hashes
+
+DEFAULT_STAGING_BYTES = 1 << 30
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks to load or save: ``keys[i]`` is the object of vLLM block ``block_ids[i]``."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ConnectorPlan:
+    """What both sides agree on: block sizes, key format, ranks and options."""
+
+    block_size: int
+    hash_block_size: int
+    keys: VLLMKeyFormat
+    tp_size: int
+    pp_size: int
+    replication: int  # TP ranks that hold byte-identical objects (vLLM's replication factor)
+    can_load: bool
+    can_save: bool
+    save_decode: bool  # also save blocks completed during decode (vLLM's save_decode_cache)
+    layerwise: bool
+    staging_bytes: int
+
+    def lookup_namespaces(self) -> list[RankNamespace]:
+        """Every rank namespace that must hold a block before it is a hit."""
+        return [RankNamespace(tp_rank=t, pp_rank=p)
+                for t in range(self.tp_size // self.replication) for p in range(self.pp_size)]
+
+    def hashes(self, request) -> list[bytes]:
+        return block_hashes(request.block_hashes, self.hash_block_size, self.block_size)
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"KVMoveConnector: {what}. kvmove stores only vLLM's rank-local "
+                      f"Mooncake format with one full-attention KV cache group; use vLLM's "
+                      f"MooncakeStoreConnector for this configuration")
+
+
+def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
+    """The plan for ``vllm_config``; refuses (``ValueError``) formats kvmove does not cover:
+    hybrid / several KV cache groups, TP-sharded store layouts, context parallelism,
+    partial hash hits, Mamba state and HiSparse host regions."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    for name in ("store_tp_size", "enable_store_tp_lcm", "prefill_tp_sizes"):
+        if extra.get(name) not in (None, False):
+            raise _refuse(f"kv_connector_extra_config {name}={extra[name]!r} asks for a "
+                          f"TP-sharded store layout")
+    if str(extra.get("enable_partial_hash_hits", "false")).lower() == "true":
+        raise _refuse("enable_partial_hash_hits is not covered")
+    if str(extra.get("enable_cross_layers_blocks", "false")).lower() == "true":
+        raise _refuse("enable_cross_layers_blocks is not covered")
+    if kv_cache_config is None:
+        raise _refuse("vLLM passed no kv_cache_config")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise _refuse(f"the model has {len(groups)} KV cache groups (hybrid)")
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        raise _refuse("HiSparse host-resident KV regions are not covered")
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        raise _refuse(f"KV cache spec {type(spec).__name__} is not covered")
+    par = vllm_config.parallel_config
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(par, name, 1) not in (None, 1):
+            raise _refuse(f"{name}={getattr(par, name)} is not covered")
+    tp = par.tensor_parallel_size
+    num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    replication = tp if isinstance(spec, MLAAttentionSpec) else max(1, tp // num_kv_heads)
+    block_size = spec.block_size
+    _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if block_size % hash_block_size:
+        raise _refuse(f"block size {block_size} is not a multiple of the hash block size "
+                      f"{hash_block_size}")
+    role = ktc.kv_role
+    save_decode = str(extra.get("save_decode_cache", "false")).lower() == "true"
+    staging = extra.get("staging_bytes", DEFAULT_STAGING_BYTES)
+    if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
+        raise ValueError(f"kv_connector_extra_config staging_bytes must be a positive int, "
+                         f"got {staging!r}")
+    return ConnectorPlan(
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        keys=VLLMKeyFormat(
+            model_name=VLLMKeyFormat.model_basename(vllm_config.model_config.model),
+            group_id=0,
+            cache_prefix=str(extra.get("cache_prefix", "")),
+        ),
+        tp_size=tp,
+        pp_size=par.pipeline_parallel_size,
+        replication=replication,
+        can_load=role in ("kv_consumer", "kv_both"),
+        can_save=role in ("kv_producer", "kv_both")
+        or save_decode,
+        save_decode=save_decode,
+        layerwise=str(extra.get("layerwise", "true")).lower() == "true",
+        staging_bytes=staging,
+    )

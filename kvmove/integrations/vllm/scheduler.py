@@ -1,0 +1,131 @@
+"""The vLLM connector's scheduler side: looks up a request's blocks in the store (one
+batched ``exists``) and schedules loads and saves into each step's metadata."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kvmove
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
+from kvmove.integrations.vllm.store_config import connector_store_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request: Any
+    block_ids: list[int]
+    saved_blocks: int  # blocks [0, saved_blocks) are in the store or need no save
+    load: BlockTransfer | None = None
+
+
+class SchedulerSide:
+    """The connector's scheduler side: one batched ``exists`` per request, loads and saves
+    scheduled in the step's metadata."""
+
+
+    def __init__(self, plan: ConnectorPlan):
+        self.plan = plan
+        # The scheduler only asks what exists: it contributes no memory to the store.
+        self.store = kvmove.MooncakeStore(connector_store_config().replace(
+            global_segment_size=0))
+        self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
+        self._reqs: dict[str, _Request] = {}
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> int:
+        plan = self.plan
+        if not plan.can_load:
+            return 0
+        bs = plan.block_size
+        hashes = plan.hashes(request)[: request.num_tokens // bs]
+        first = num_computed_tokens // bs
+        if len(hashes) <= first:
+            return 0
+        namespaces = plan.lookup_namespaces()
+        keys = [k for ns in namespaces for k in plan.keys.keys(ns, hashes)]
+        try:
+            found = list(self.store.exists(keys))
+        except Exception as e:  # an unreachable master: no hit, never a failed request
+            log.warning("lookup of %d blocks failed: %s", len(hashes), e)
+            return 0
+        n = len(hashes)
+        hit = 0
+        while hit < n and all(found[j * n + hit] for j in range(len(namespaces))):
+            hit += 1
+        hit_tokens = hit * bs
+        if hit_tokens >= request.num_tokens:  # vLLM computes at least the last token
+            hit_tokens = (request.num_tokens - 1) // bs * bs
+        if hit_tokens <= num_computed_tokens:
+            return 0
+        self._pending[request.request_id] = (num_computed_tokens, hit_tokens)
+        return hit_tokens - num_computed_tokens
+
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        computed, hit = self._pending.pop(request.request_id, (0, 0))
+        state = _Request(request, list(block_ids), saved_blocks=0)
+        if num_external_tokens > 0:
+            bs = self.plan.block_size
+            first, end = computed // bs, hit // bs
+            # Hash hex only: each worker puts its own rank namespace in front.
+            hashes = self.plan.hashes(request)[first:end]
+            state.load = BlockTransfer(request.request_id,
+                                       [h.hex() for h in hashes],
+                                       state.block_ids[first:end])
+        self._reqs[request.request_id] = state
+
+    def build_meta(self, out) -> KVMoveConnectorMetadata:
+        meta = KVMoveConnectorMetadata()
+        bs = self.plan.block_size
+        scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            loaded = new.num_computed_tokens
+            if state.load is not None:
+                meta.loads.append(state.load)
+                state.load = None
+            state.saved_blocks = loaded // bs
+            self._add_save(meta, state, loaded + scheduled.get(new.req_id, 0))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.saved_blocks = cached.num_computed_tokens[i] // bs
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for req_id in out.finished_req_ids:
+            self.forget(req_id)
+        return meta
+
+    def _add_save(self, meta: KVMoveConnectorMetadata, state: _Request, computed: int) -> None:
+        if not self.plan.can_save:
+            return
+        hashes = self.plan.hashes(state.request)
+        full = min(computed // self.plan.block_size, len(hashes), len(state.block_ids))
+        if not self.plan.save_decode:  # as vLLM's connector: the prompt's blocks only
+            full = min(full, state.request.num_prompt_tokens // self.plan.block_size)
+        if full <= state.saved_blocks:
+            return
+        first, state.saved_blocks = state.saved_blocks, full
+        meta.saves.append(BlockTransfer(state.request.request_id,
+                                        [h.hex() for h in hashes[first:full]],
+                                        state.block_ids[first:full]))
+
+    def forget(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._pending.pop(req_id, None)
+
+    # The worker-side methods are not called on this side.
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,133 @@
+"""The vLLM connector's worker side: vLLM's KV cache as a :class:`kvmove.KVCache` of block
+regions (:mod:`.layout`), and a :class:`kvmove.KVMover` with raw keys that gathers + puts a
+step's saves and gets + scatters its loads."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import kvmove
+from kvmove.integrations.vllm.keys import RankNamespace
+from kvmove.integrations.vllm.layout import block_regions
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.plan import ConnectorPlan
+from kvmove.integrations.vllm.store_config import connector_store_config
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """The connector's worker side: a :class:`kvmove.KVMover` over vLLM's block regions;
+    one gather + background put per step's saves, get + scatter per step's loads."""
+
+    def __init__(self, plan: ConnectorPlan, vllm_config, kv_cache_config):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.plan = plan
+        self.kv_cache_config = kv_cache_config
+        self.num_blocks = kv_cache_config.num_blocks
+        par = vllm_config.parallel_config
+        tp_rank = get_tensor_model_parallel_rank()
+        self.ranks = RankNamespace(tp_rank=tp_rank // plan.replication,
+                                   pp_rank=(par.rank // par.tensor_parallel_size)
+                                   % par.pipeline_parallel_size)
+        self.key_prefix = plan.keys.prefix(self.ranks) + "@"
+        self.store = kvmove.MooncakeStore(connector_store_config())
+        self.mover: kvmove.KVMover | None = None
+        self.views: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._loads: list[tuple[kvmove.Transfer, list[int]]] = []
+        self._saves: list[kvmove.Transfer] = []
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = set(self.kv_cache_config.kv_cache_groups[0].layer_names)
+        named = [(n, t) for n, t in kv_caches.items() if n in layers]
+        views, self._layer_index = block_regions(named, self.num_blocks)
+        self.views = views  # uint8 [num_blocks, block_len] per region, vLLM's order
+        kv = kvmove.KVCache({"kv": views})
+        object_bytes = sum(v.shape[1] for v in views)
+        slots = max(1, min(self.num_blocks, self.plan.staging_bytes // object_bytes))
+        self.mover = kvmove.KVMover(kv, self.store, page_tokens=1, staging_slots=slots,
+                                    raw_keys=True)
+        log.info("kvmove connector: %d regions of %d B per block, %d staging blocks",
+                 len(views), views[0].shape[1], slots)
+
+    # -- loads -----------------------------------------------------------------------------
+    def start_load(self, meta: KVMoveConnectorMetadata) -> None:
+        if not meta.loads or self.mover is None:
+            return
+        keys = [self.key_prefix + h for t in meta.loads for h in t.keys]
+        block_ids = [b for t in meta.loads for b in t.block_ids]
+        pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
+        # More blocks than staging slots run in staging-sized pieces inside the mover.
+        transfer = self.mover.prefetch(keys, pages, layerwise=self.plan.layerwise)
+        if self.plan.layerwise:
+            self._loads.append((transfer, block_ids))
+        else:
+            self._finish_load(transfer, block_ids)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if not self._loads:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for transfer, _ in self._loads:
+            transfer.wait_layer(layer)
+
+    def _finish_load(self, transfer: kvmove.Transfer, block_ids: list[int]) -> None:
+        statuses = transfer.wait()
+        transfer.scattered.wait()  # CUDA: vLLM's stream runs after the scatter
+        failed = [b for b, s in zip(block_ids, statuses, strict=True) if s is not kvmove.Status.OK]
+        if failed:
+            log.warning("kvmove connector: %d of %d blocks not loaded (%s); vLLM recomputes "
+                        "them", len(failed), len(block_ids),
+                        ", ".join(sorted({s.name for s in statuses if s is not kvmove.Status.OK})))
+            self._load_errors.update(failed)
+
+    def _finish_loads(self) -> None:
+        loads, self._loads = self._loads, []
+        for transfer, block_ids in loads:
+            self._finish_load(transfer, block_ids)
+
+    def take_load_errors(self) -> set[int]:
+        self._finish_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------------
+    def save(self, meta: KVMoveConnectorMetadata) -> None:
+        self._finish_loads()
+        self._reap_saves()
+        if not meta.saves or self.mover is None:
+            return
+        keys = [self.key_prefix + h for t in meta.saves for h in t.keys]
+        block_ids = [b for t in meta.saves for b in t.block_ids]
+        pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
+        transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
+        transfer.gathered.wait()  # CUDA: vLLM reuses the blocks only after the gather
+        self._saves.append(transfer)
+
+    def _reap_saves(self, wait: bool = False) -> None:
+        keep = []
+        for transfer in self._saves:
+            if not (wait or transfer.done()):
+                keep.append(transfer)
+                continue
+            statuses = transfer.wait()
+            bad = [s for s in statuses if s not in (kvmove.Status.OK, kvmove.Status.EXISTS)]
+            if bad:
+                log.warning("kvmove connector: %d of %d block saves failed (%s)", len(bad),
+                            len(statuses), ", ".join(sorted({s.name for s in bad})))
+        self._saves = keep
+
+    def close(self) -> None:
+        if self.mover is not None:
+            self._finish_loads()
+            self._reap_saves(wait=True)
+            self.mover.close()
+            self.mover = None
+        self.store.close()

@@ -1,0 +1,174 @@
+"""Copy rows between two row pools, for a set of layers, in one launch.
+
+Row ``src_rows[i]`` of layer ``layers[j]`` of the source pool is copied to row
+``dst_rows[i]`` of the same layer of the destination pool, for every ``i`` and ``j``. Each
+pool is given by a table of per-layer base addresses (layers need not be contiguous) and
+a row pitch. ``-1`` on either side skips that row; any other index outside the pool is
+never read or written but counted in a device error counter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kvmove.kernels.alignment import pow2_alignment
+from kvmove.kernels.configs import LaunchConfig
+
+_WORD_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
+
+
+# Per-call scalars are not specialised on: a new batch size never compiles a new kernel.
+@triton.jit(do_not_specialize=["n", "num_row_blocks", "num_items"])
+def _copy_rows_kernel(
+    src_table,  # int64 [L]: device address of each selected layer of the source
+    dst_table,  # int64 [L]: the same for the destination
+    src_rows,  # int32/int64 [n]
+    dst_rows,  # int32/int64 [n]
+    errors,  # int32 [1]: incremented by the number of out-of-range rows
+    n,
+    src_limit,  # rows in the source pool
+    dst_limit,  # rows in the destination pool
+    src_pitch,  # source row pitch, in units of VEC words
+    dst_pitch,  # destination row pitch, in units of VEC words
+    row_words,  # words per row
+    num_row_blocks,
+    num_items,  # layers * num_row_blocks
+    WORD: tl.constexpr,  # element type of one word (int8/int16/int32)
+    VEC: tl.constexpr,  # words per aligned vector: base addresses and pitches are multiples
+    ALIGN: tl.constexpr,  # bytes: every base address is a multiple of this (= VEC * word)
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,  # words per inner step
+    COUNT_ERRORS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_offs = tl.arange(0, ROWS)
+    col_offs = tl.arange(0, BLOCK)
+    for item in range(pid, num_items, nprog):
+        layer = item // num_row_blocks
+        block = item % num_row_blocks
+        idx = block * ROWS + row_offs
+        in_batch = idx < n
+        s = tl.load(src_rows + idx, mask=in_batch, other=-1).to(tl.int64)
+        d = tl.load(dst_rows + idx, mask=in_batch, other=-1).to(tl.int64)
+        bad = in_batch & ((s < -1) | (s >= src_limit) | (d < -1) | (d >= dst_limit))
+        ok = in_batch & (s >= 0) & (d >= 0) & (s < src_limit) & (d < dst_limit)
+        if COUNT_ERRORS:
+            # Count each bad row once: in the items of the first selected layer.
+            first_layer = (row_offs * 0 + layer) == 0
+            tl.atomic_add(errors + row_offs * 0, 1, mask=bad & first_layer)
+        # The alignment hint goes on the pointer (in bytes), after the cast: on the integer
+        # it would not survive the cast and the compiler would emit one access per word.
+        src_base = tl.multiple_of(tl.load(src_table + layer).to(tl.pointer_type(WORD)), ALIGN)
+        dst_base = tl.multiple_of(tl.load(dst_table + layer).to(tl.pointer_type(WORD)), ALIGN)
+        # Row starts, in words, written as (rows * pitch_in_vectors) * VEC so that the
+        # compiler sees VEC-aligned offsets and emits wide accesses.
+        src_start = tl.multiple_of((tl.where(ok, s, 0) * src_pitch) * VEC, VEC)
+        dst_start = tl.multiple_of((tl.where(ok, d, 0) * dst_pitch) * VEC, VEC)
+        for c in range(0, row_words, BLOCK):
+            cols = c + col_offs
+            mask = ok[:, None] & ((cols // VEC)[None, :] < row_words // VEC)
+            v = tl.load(src_base + src_start[:, None] + cols[None, :], mask=mask)
+            tl.store(dst_base + dst_start[:, None] + cols[None, :], v, mask=mask)
+
+
+def launch_constants(row_bytes: int, src_pitch: int, dst_pitch: int, base_alignment: int,
+                     config: LaunchConfig) -> dict:
+    """The compile-time constants of a launch (all but ``COUNT_ERRORS``): the widest
+    aligned access (``ALIGN`` bytes, ``VEC`` words of ``WORD``), ``ROWS`` and ``BLOCK``."""
+    align = pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
+    word = min(align, 4)
+    vec = align // word
+    block = max(triton.next_power_of_2(config.block_bytes // word), vec)
+    block = min(block, max(triton.next_power_of_2(row_bytes // word), vec))
+    return {"WORD": _WORD_TYPES[word], "VEC": vec, "ALIGN": align, "ROWS": config.rows,
+            "BLOCK": block}
+
+
+def _kernel_for(device: torch.device):
+    """The compiled kernel on a GPU; the Triton interpreter on the CPU (whether or not
+    ``TRITON_INTERPRET=1`` was set when this module was imported)."""
+    if device.type != "cpu" or isinstance(_copy_rows_kernel, InterpretedFunction):
+        return _copy_rows_kernel
+    global _interpreted
+    if _interpreted is None:
+        _interpreted = InterpretedFunction(_copy_rows_kernel.fn)
+    return _interpreted
+
+
+_interpreted = None
+
+
+def copy_rows(
+    src_table: torch.Tensor,
+    dst_table: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    errors: torch.Tensor | None,
+    *,
+    src_limit: int,
+    dst_limit: int,
+    src_pitch: int,
+    dst_pitch: int,
+    row_bytes: int,
+    base_alignment: int,
+    config: LaunchConfig,
+) -> None:
+    """Launch the row copy.
+
+    Shapes and dtypes:
+      - ``src_table``, ``dst_table``: int64 ``[L]`` device addresses of layer ``j``'s row 0
+        in each pool (for pinned host memory, its device-accessible UVA address), on the
+        device that runs the kernel; the same ``L`` on both sides.
+      - ``src_rows``, ``dst_rows``: int32 or int64 ``[n]``, on that device. ``-1`` on
+        either side skips the row (nothing read, nothing written). Any other index outside
+        ``[0, src_limit)`` / ``[0, dst_limit)`` is skipped too and added to ``errors``.
+      - ``errors``: int32 ``[1]`` counter on that device, incremented by the number of such
+        rows (once per row, not per layer); ``None`` counts nothing.
+      - ``src_pitch``, ``dst_pitch``, ``row_bytes``: bytes; ``base_alignment``: a power of
+        two dividing every address in both tables.
+      - ``config``: block size, rows per step, warps and the cap on the number of programs.
+    """
+    n = src_rows.numel()
+    layers = src_table.numel()
+    if dst_rows.numel() != n:
+        raise ValueError(f"src_rows has {n} entries but dst_rows has {dst_rows.numel()}")
+    if dst_table.numel() != layers:
+        raise ValueError(f"src_table has {layers} layers but dst_table has {dst_table.numel()}")
+    for name, t in (("src_table", src_table), ("dst_table", dst_table)):
+        if t.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {t.dtype}")
+    for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if errors is not None and (errors.dtype != torch.int32 or errors.numel() != 1):
+        raise TypeError(f"errors must be an int32 tensor of one element, got {errors.dtype}")
+    if n == 0 or layers == 0:
+        return
+    const = launch_constants(row_bytes, src_pitch, dst_pitch, base_alignment, config)
+    align, rows = const["ALIGN"], const["ROWS"]
+    word = align // const["VEC"]
+    num_row_blocks = triton.cdiv(n, rows)
+    num_items = layers * num_row_blocks
+    grid = (max(1, min(num_items, config.max_programs)),)
+    _kernel_for(src_table.device)[grid](
+        src_table,
+        dst_table,
+        src_rows,
+        dst_rows,
+        src_rows if errors is None else errors,  # any pointer when not counting
+        n,
+        src_limit,
+        dst_limit,
+        src_pitch // align,
+        dst_pitch // align,
+        row_bytes // word,
+        num_row_blocks,
+        num_items,
+        **const,
+        COUNT_ERRORS=errors is not None,
+        num_warps=config.num_warps,
+    )

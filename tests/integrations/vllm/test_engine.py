@@ -1,0 +1,132 @@
+"""End to end with real vLLM engines on a tiny seeded Llama, five engine starts, each check on
+the runs it needs:
+
+1. no connector: the reference outputs;
+2. A, kvmove's connector: computes and saves p1 and the fault groups;
+3. B, a fresh kvmove engine (empty prefix cache): loads p1, layer by layer;
+4. V, vLLM's own MooncakeStoreConnector: loads p1 (kvmove's objects), computes and saves p2;
+5. C, kvmove's connector with faults injected, loading whole-cache: p2 (vLLM's objects),
+   then zeros in place of the stored blocks (the outputs change), a missing object and a
+   killed master (vLLM recomputes: the outputs of the run without a connector).
+
+A fresh engine that reports ``num_cached_tokens`` > 0 on prompts it has never seen got them
+from the store. A run that dies keeps the phases it finished; later runs start regardless.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations.vllm.conftest import BLOCK, KVMOVE, VLLM_MOONCAKE
+
+pytestmark = pytest.mark.engine
+
+PROMPT_TOKENS = 100
+LOADED = PROMPT_TOKENS // BLOCK * BLOCK  # full blocks are stored and loaded
+
+FAULTY = {**KVMOVE, "kv_role": "kv_consumer", "kv_connector": "FaultyKVMoveConnector",
+          "kv_connector_module_path": "tests.integrations.vllm.fault_connector",
+          "kv_connector_extra_config": {"layerwise": "false"}}
+
+
+# float32 engines: run to run, logprobs move by ~1e-6 (reduction order); zeros in place of
+# the stored blocks moved them by more than 1.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    """The same token ids, and logprobs within ``LOGPROB_TOLERANCE``."""
+    return ([r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+            and all(abs(x - y) <= LOGPROB_TOLERANCE
+                    for r, s in zip(a, b, strict=True)
+                    for x, y in zip(r["logprobs"], s["logprobs"], strict=True)))
+
+
+def cached(results: list[dict]) -> list[int]:
+    return [r["num_cached_tokens"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def baseline(engines, prompts):
+    return engines.run(None, [{"name": n, "prompts": p} for n, p in prompts.items()])
+
+
+@pytest.fixture(scope="module")
+def writer(engines, prompts):
+    return engines.run(KVMOVE, [{"name": n, "prompts": p} for n, p in prompts.items()
+                                if n != "p2"])
+
+
+@pytest.fixture(scope="module")
+def reader(engines, prompts, writer):
+    return engines.run(KVMOVE, [{"name": "p1", "prompts": prompts["p1"]}])
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(engines, prompts, writer):
+    return engines.run(VLLM_MOONCAKE, [{"name": "p1", "prompts": prompts["p1"]},
+                                       {"name": "p2", "prompts": prompts["p2"]}])
+
+
+@pytest.fixture(scope="module")
+def faulty(engines, prompts, writer, vllm_engine):
+    phases = [{"name": "p2", "prompts": prompts["p2"], "faults": "none"}]
+    phases += [{"name": n, "prompts": prompts[n], "faults": n}
+               for n in ("zeros", "remove", "kill")]  # kill last: the master is gone after
+    run = engines.run(FAULTY, phases)
+    run.events = engines.events_log()
+    return run
+
+
+def test_outputs_depend_on_the_kv_cache(baseline):
+    # Random weights: distinct prompts give distinct outputs, far from uniform logits.
+    outs = [tuple(r["token_ids"]) for g in baseline.results.values() for r in g]
+    assert len(outs) == 10 and len(set(outs)) == len(outs), baseline.error
+    assert max(lp for g in baseline.results.values() for r in g for lp in r["logprobs"]) > -5
+
+
+def test_writer_outputs_equal_no_connector(baseline, writer):
+    for name in ("p1", "zeros", "remove", "kill"):
+        assert cached(writer[name]) == [0, 0], name
+        assert same(writer[name], baseline[name]), name
+    assert writer.error is None
+
+
+def test_fresh_engine_loads_kvmove_objects(baseline, writer, reader):
+    assert cached(reader["p1"]) == [LOADED, LOADED]
+    assert same(reader["p1"], baseline["p1"])
+    assert reader.error is None
+
+
+def test_vllm_connector_reads_kvmove_objects(baseline, writer, vllm_engine):
+    assert cached(vllm_engine["p1"]) == [LOADED, LOADED]
+    assert same(vllm_engine["p1"], baseline["p1"])
+
+
+def test_vllm_connector_computes_and_saves(baseline, vllm_engine):
+    assert cached(vllm_engine["p2"]) == [0, 0]
+    assert same(vllm_engine["p2"], baseline["p2"])
+    assert vllm_engine.error is None
+
+
+def test_kvmove_reads_vllm_connector_objects(baseline, vllm_engine, faulty):
+    assert cached(faulty["p2"]) == [LOADED, LOADED]
+    assert same(faulty["p2"], baseline["p2"])
+    assert not any(e.get("load_errors") for e in faulty.events if e["mode"] == "none")
+
+
+def test_zeros_in_place_of_the_stored_blocks_change_outputs(baseline, faulty):
+    assert cached(faulty["zeros"]) == [LOADED, LOADED]
+    assert [r["token_ids"] for r in faulty["zeros"]] != \
+        [r["token_ids"] for r in baseline["zeros"]]
+    assert not any(e.get("load_errors") for e in faulty.events if e["mode"] == "zeros")
+
+
+@pytest.mark.parametrize("mode", ["remove", "kill"])
+def test_failed_loads_are_recomputed(baseline, faulty, mode):
+    """A missing object, a killed master: load errors, which vLLM recomputes."""
+    errors = sum(e.get("load_errors", 0) for e in faulty.events if e["mode"] == mode)
+    assert errors >= 2, (mode, faulty.events)
+    assert same(faulty[mode], baseline[mode])
+    if mode == "kill":
+        assert faulty.error is None

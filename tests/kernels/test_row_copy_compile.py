@@ -1,0 +1,129 @@
+"""The row-copy kernel compiles for a Hopper GPU (sm_90) on this machine without one — the
+Triton front end, the MLIR passes and ptxas from the Triton wheel all run on the CPU — and
+aligned rows get 16-byte vector loads and stores (the accesses that keep many bytes in
+flight over PCIe). Catches a kernel that only works in the interpreter. Every specialisation
+the default launch configs produce compiles (each row class, aligned and odd rows, with and
+without the error counter, int32 and int64 indices), and the per-call scalars ``n``,
+``num_row_blocks`` and ``num_items`` never select a new specialisation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvmove.kernels.configs import DEFAULTS, default_config, row_class
+from kvmove.kernels.row_copy import _copy_rows_kernel, launch_constants
+
+pytest.importorskip("triton.backends.nvidia")
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+SIGNATURE = {
+    "src_table": "*i64", "dst_table": "*i64", "src_rows": "*i32", "dst_rows": "*i64",
+    "errors": "*i32", "n": "i32", "src_limit": "i32", "dst_limit": "i32", "src_pitch": "i32",
+    "dst_pitch": "i32", "row_words": "i32", "num_row_blocks": "i32", "num_items": "i32",
+    "WORD": "constexpr", "VEC": "constexpr", "ALIGN": "constexpr", "ROWS": "constexpr",
+    "BLOCK": "constexpr", "COUNT_ERRORS": "constexpr",
+}
+
+
+def jit_kernel() -> JITFunction:
+    fn = _copy_rows_kernel
+    if isinstance(fn, InterpretedFunction):  # TRITON_INTERPRET=1 was set when it was made
+        fn = JITFunction(fn.fn)
+    return fn
+
+
+def compile_sm90(constants: dict, *, index: str = "i32"):
+    fn = jit_kernel()
+    signature = dict(SIGNATURE, src_rows=f"*{index}", dst_rows=f"*{index}")
+    # Pointer arguments are 16-byte aligned, as the launcher's tensors are.
+    attrs = {(i,): [["tt.divisibility", 16]]
+             for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs, constexprs={
+        (fn.arg_names.index(name),): value for name, value in constants.items()})
+    try:
+        # No floating point in the kernel: fusing multiply-adds changes nothing.
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"enable_fp_fusion": False})
+    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this Triton build
+        if "ptxas" in str(e):
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        raise
+    return kernel
+
+
+def ptx_for(word, vec: int, word_bytes: int) -> str:
+    constants = {"WORD": word, "VEC": vec, "ALIGN": vec * word_bytes, "ROWS": 8,
+                 "BLOCK": 256, "COUNT_ERRORS": True}
+    return compile_sm90(constants).asm["ptx"]
+
+
+def test_aligned_rows_use_16_byte_vector_accesses():
+    ptx = ptx_for(tl.int32, 4, 4)  # e.g. 656-byte rows in 16-byte aligned layers
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+
+
+@pytest.mark.parametrize(("word", "word_bytes"), [(tl.int32, 4), (tl.int16, 2), (tl.int8, 1)])
+def test_unaligned_rows_compile_with_narrow_words(word, word_bytes):
+    ptx = ptx_for(word, 1, word_bytes)
+    assert "atom.global" in ptx or "red.global" in ptx  # the error counter
+    assert "st.global" in ptx
+
+
+# Per row class of the defaults: a row size whose rows, pitches and bases are 16-byte aligned
+# (16-byte vectors) and an odd one (single bytes), as the launcher would see them.
+ROW_SIZES = {"tiny": (128, 131), "small": (656, 657), "medium": (1152, 1153),
+             "large": (8192, 8193)}
+
+
+@pytest.mark.parametrize("index", ["i32", "i64"])
+@pytest.mark.parametrize("count_errors", [True, False])
+@pytest.mark.parametrize("rows_kind", ["aligned", "odd"])
+@pytest.mark.parametrize("cls", sorted(DEFAULTS))
+def test_every_default_specialisation_compiles(cls, rows_kind, count_errors, index):
+    row_bytes = ROW_SIZES[cls][rows_kind == "odd"]
+    assert row_class(row_bytes) == cls
+    const = launch_constants(row_bytes, row_bytes, row_bytes, 256, default_config(row_bytes))
+    assert const["ALIGN"] == (16 if rows_kind == "aligned" else 1)
+    kernel = compile_sm90({**const, "COUNT_ERRORS": count_errors}, index=index)
+    ptx = kernel.asm["ptx"]
+    assert "st.global" in ptx
+    if rows_kind == "aligned":
+        assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    assert ("atom.global" in ptx or "red.global" in ptx) == count_errors
+
+
+def specialisation(**scalars):
+    """The specialisation key Triton's launcher computes for a launch on an sm_90 GPU."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = jit_kernel()
+    binder = create_function_from_signature(fn.signature, fn.params,
+                                            make_backend(GPUTarget("cuda", 90, 32)))
+    table = torch.zeros(4, dtype=torch.int64)
+    rows = torch.zeros(64, dtype=torch.int32)
+    args = dict(src_table=table, dst_table=table, src_rows=rows, dst_rows=rows,
+                errors=rows, n=1, src_limit=1000, dst_limit=1000, src_pitch=41, dst_pitch=41,
+                row_words=164, num_row_blocks=1, num_items=1, WORD=tl.int32, VEC=4, ALIGN=16,
+                ROWS=8, BLOCK=256, COUNT_ERRORS=True)
+    args.update(scalars)
+    _, spec, _ = binder(**args)
+    return dict(zip(fn.arg_names, spec, strict=True))
+
+
+def test_per_call_scalars_are_not_specialised():
+    fn = jit_kernel()
+    flagged = {p.name for p in fn.params if p.do_not_specialize}
+    assert flagged == {"n", "num_row_blocks", "num_items"}
+    base = specialisation()
+    for value in (16, 17, 1 << 20):
+        other = specialisation(n=value, num_row_blocks=value, num_items=value)
+        assert other == base, f"a batch of {value} rows selects another kernel"
+    # The check can tell: a specialised scalar (src_limit) keys 1 and 16 apart.
+    assert specialisation(src_limit=1) != specialisation(src_limit=16)

@@ -1,0 +1,487 @@
+"""Concurrency and lifecycle, against a real embedded mooncake_master: threads evicting and
+prefetching overlapping keys, an evict racing a prefetch of the same key, ``close()`` while
+transfers run (the mover's and the store's), registering twice, unregistering a region in
+use, and processes with an embedded master killed by SIGTERM and SIGKILL.
+
+Where a test needs a transfer to be "in flight" at a known moment, it holds one Mooncake
+call at a gate inside the store (``store._batch``, kvmove's wrapper around each Mooncake
+batch call): the real Mooncake call still runs, before or after the gate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import defaultdict
+from typing import ClassVar
+
+import pytest
+import torch
+
+import kvmove
+from kvmove import Status
+from tests.support.caches import make_layers, write_random
+from tests.support.process_table import masters_on_port, wait_gone
+from tests.support.store_state import regions_in_use, registered_regions
+
+pytestmark = pytest.mark.store
+
+PAGE = 4
+GET = "batch_get_into_multi_buffers"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hybrid(slots: int, seed: int = 31) -> kvmove.KVCache:
+    """A DSA-like hybrid cache: 656-byte kv rows on 3 layers, 132-byte indexer rows on 2."""
+    return kvmove.KVCache({"kv": make_layers(3, slots, 656, torch.uint8, seed=seed),
+                           "indexer": make_layers(2, slots, 132, torch.float32, seed=seed + 1)})
+
+
+def pages(first: int, n: int) -> torch.Tensor:
+    """``n`` consecutive pages of ``PAGE`` token slots starting at slot ``first``."""
+    return torch.arange(first, first + n * PAGE).reshape(n, PAGE)
+
+
+def page_bytes(kv: kvmove.KVCache, rows: torch.Tensor) -> bytes:
+    """Every byte of the page ``rows`` (all buffers and layers), as the engine sees it."""
+    return b"".join(kv.layer(n, layer)[rows].contiguous().view(torch.uint8).numpy().tobytes()
+                    for n in kv.buffer_names for layer in range(kv.num_layers(n)))
+
+
+def scribble(kv: kvmove.KVCache, rows: torch.Tensor, value: int = 0x5A) -> None:
+    """A known byte pattern in ``rows`` of every buffer and layer."""
+    for n in kv.buffer_names:
+        for layer in range(kv.num_layers(n)):
+            kv.layer(n, layer).view(torch.uint8)[rows] = value
+
+
+class Gate:
+    """Holds Mooncake calls named ``call`` made through ``store`` (the first ``count``
+    of them) until :meth:`open`, either before the real call (``when="before"``) or after
+    it (``"after"``: the bytes are in staging, the transfer not finished)."""
+
+    _all: ClassVar[list[Gate]] = []
+
+    def __init__(self, store, monkeypatch, call: str = GET, when: str = "before",
+                 count: int = 1):
+        Gate._all.append(self)
+        self.entered = threading.Event()
+        self._release = threading.Event()
+        self._left = count
+        self._lock = threading.Lock()
+        real = store._batch
+
+        def batch(fn, keys, *args):
+            with self._lock:
+                hold = fn.__name__ == call and self._left > 0
+                self._left -= hold
+            if hold and when == "before":
+                self._hold()
+            result = real(fn, keys, *args)
+            if hold and when == "after":
+                self._hold()
+            return result
+
+        monkeypatch.setattr(store, "_batch", batch)
+
+    def _hold(self) -> None:
+        self.entered.set()
+        assert self._release.wait(60), "gate never opened"
+
+    def wait_entered(self) -> None:
+        assert self.entered.wait(30), "no call reached the gate"
+
+    def open(self) -> None:
+        self._release.set()
+
+    @classmethod
+    def open_all(cls) -> None:
+        """Open every gate (so that a failing test does not leave a transfer held)."""
+        while cls._all:
+            cls._all.pop().open()
+
+
+@pytest.fixture(autouse=True)
+def _open_gates():
+    yield
+    Gate.open_all()
+
+
+# -- concurrency ---------------------------------------------------------------------------
+
+
+def test_threads_evicting_and_prefetching_overlapping_keys(store, keyspace):
+    threads, rounds, pool = 4, 16, 10
+    kv = hybrid(threads * 2 * 3 * PAGE)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=16, workers=3,
+                           key_prefix="overlap")
+    keys = keyspace(pool)
+    stored_by: dict[str, list[bytes]] = defaultdict(list)  # bytes of each evict that was OK
+    read: dict[str, list[bytes]] = defaultdict(list)  # bytes of each OK prefetch
+    counts: dict[str, int] = defaultdict(int)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        rng = random.Random(w)
+        gen = torch.Generator().manual_seed(100 + w)
+        src, dst = pages(w * 6 * PAGE, 3), pages(w * 6 * PAGE + 3 * PAGE, 3)
+        try:
+            for _ in range(rounds):
+                chosen = rng.sample(keys, rng.randint(1, 3))
+                n = len(chosen)
+                if rng.random() < 0.5:
+                    write_random(kv, src[:n].reshape(-1), gen)  # every evict has bytes of its own
+                    blobs = [page_bytes(kv, p) for p in src[:n]]
+                    statuses = mover.evict(chosen, src[:n]).wait(60)
+                    with lock:
+                        for key, st, blob in zip(chosen, statuses, blobs, strict=True):
+                            assert st in (Status.OK, Status.EXISTS), (key, st)
+                            counts[f"evict {st.value}"] += 1
+                            if st is Status.OK:
+                                stored_by[key].append(blob)
+                else:
+                    scribble(kv, dst[:n].reshape(-1))
+                    pattern = page_bytes(kv, dst[0])
+                    result = mover.prefetch(chosen, dst[:n]).result(60)
+                    with lock:
+                        for key, st, code, p in zip(chosen, result.statuses, result.codes,
+                                                    dst[:n], strict=True):
+                            # MISS: not stored yet, or (-703) its put not finished yet
+                            assert st in (Status.OK, Status.MISS), (key, st, code)
+                            if code < 0:
+                                counts[f"prefetch code {code}"] += 1
+                            counts[f"prefetch {st.value}"] += 1
+                            got = page_bytes(kv, p)
+                            if st is Status.OK:
+                                read[key].append(got)
+                            else:
+                                assert got == pattern, f"a MISS wrote into the rows of {key}"
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    workers = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    try:
+        assert errors == [], errors
+        assert counts["prefetch ok"] > 0 and counts["evict ok"] > 0
+        for key, blobs in read.items():
+            # Every OK prefetch gave exactly the bytes of an evict of that key, and always
+            # the same ones (the first object stored is kept).
+            assert len(set(blobs)) == 1, f"{key}: prefetches read different bytes"
+            assert blobs[0] in stored_by[key], f"{key}: bytes of no evict of this key"
+        # Every key evicted OK reads back now, as one of its evicts' bytes.
+        evicted = sorted(stored_by)
+        final = mover.prefetch(evicted, pages(0, len(evicted))).wait(60)
+        assert final == [Status.OK] * len(evicted)
+        for key, p in zip(evicted, pages(0, len(evicted)), strict=True):
+            assert page_bytes(kv, p) in stored_by[key]
+            if read.get(key):
+                assert page_bytes(kv, p) == read[key][0]
+        assert mover.staging.num_free == 16
+    finally:
+        Gate.open_all()
+        mover.close()
+    print(f"\n[lifecycle] overlapping keys: {dict(counts)}")
+
+
+@pytest.mark.parametrize("stored_first", [True, False])
+def test_evict_of_a_key_while_its_prefetch_is_in_flight(store, keyspace, monkeypatch,
+                                                         stored_first):
+    kv = hybrid(64)
+    gen = torch.Generator().manual_seed(7)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=8, key_prefix="race")
+    key = keyspace(1)
+    src, dst = pages(0, 1), pages(32, 1)
+    try:
+        first = page_bytes(kv, src[0])
+        if stored_first:
+            assert mover.evict(key, src).wait(30) == [Status.OK]
+        # The prefetch holds after Mooncake answered: its bytes (or its MISS) are in.
+        gate = Gate(store, monkeypatch, when="after")
+        scribble(kv, dst.reshape(-1))
+        untouched = page_bytes(kv, dst[0])
+        p = mover.prefetch(key, dst)
+        gate.wait_entered()
+        write_random(kv, src.reshape(-1), gen)  # other bytes under the same key
+        second = page_bytes(kv, src[0])
+        assert second != first
+        e = mover.evict(key, src).wait(30)
+        assert e == [Status.EXISTS] if stored_first else [Status.OK]
+        assert not p.done()
+        gate.open()
+        if stored_first:  # the prefetch scatters the first object; the evict changed nothing
+            assert p.wait(30) == [Status.OK]
+            assert page_bytes(kv, dst[0]) == first
+        else:  # the prefetch had missed before the evict: nothing written
+            assert p.wait(30) == [Status.MISS]
+            assert page_bytes(kv, dst[0]) == untouched
+        # A later prefetch reads whatever is stored: the first evict that was OK.
+        assert mover.prefetch(key, pages(40, 1)).wait(30) == [Status.OK]
+        assert page_bytes(kv, pages(40, 1)[0]) == (first if stored_first else second)
+        assert mover.staging.num_free == 8
+    finally:
+        Gate.open_all()
+        mover.close()
+
+
+def test_prefetch_that_reaches_the_store_after_an_evict_reads_it(store, keyspace, monkeypatch):
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=8, key_prefix="race2")
+    key = keyspace(1)
+    try:
+        gate = Gate(store, monkeypatch, when="before")  # the get has not asked Mooncake yet
+        p = mover.prefetch(key, pages(32, 1))
+        gate.wait_entered()
+        assert mover.evict(key, pages(0, 1)).wait(30) == [Status.OK]
+        gate.open()
+        assert p.wait(30) == [Status.OK]
+        assert page_bytes(kv, pages(32, 1)[0]) == page_bytes(kv, pages(0, 1)[0])
+    finally:
+        Gate.open_all()
+        mover.close()
+
+
+# -- close ---------------------------------------------------------------------------------
+
+
+def test_mover_close_while_transfers_run_waits_then_unregisters(store, keyspace, monkeypatch,
+                                                                caplog):
+    kv = hybrid(96)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=16, key_prefix="close")
+    keys = keyspace(6)
+    want = [page_bytes(kv, p) for p in pages(0, 6)]
+    assert mover.evict(keys[:3], pages(0, 3)).wait(30) == [Status.OK] * 3
+    gate = Gate(store, monkeypatch, when="before")
+    prefetch = mover.prefetch(keys[:3], pages(48, 3))
+    evict = mover.evict(keys[3:], pages(3, 3))
+    gate.wait_entered()
+    closer = threading.Thread(target=mover.close)
+    with caplog.at_level(logging.WARNING, logger="kvmove"):
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive(), "close() returned while a transfer was in flight"
+        free = mover.staging.num_free
+        with pytest.raises(kvmove.KVMoveError, match="closed"):
+            mover.evict(keyspace(1, "late"), pages(10, 1))
+        assert mover.staging.num_free == free  # the refused call holds no slot
+        regions = set(mover.staging.regions())
+        assert regions <= set(registered_regions(store))  # still registered: in use
+        gate.open()
+        closer.join(30)
+        assert not closer.is_alive()
+    assert prefetch.done() and evict.done()
+    assert prefetch.wait(0) == [Status.OK] * 3 and evict.wait(0) == [Status.OK] * 3
+    for i, p in enumerate(pages(48, 3)):
+        assert page_bytes(kv, p) == want[i]
+    assert mover.staging.num_free == 16
+    assert not regions & set(registered_regions(store))
+    assert not [r for r in caplog.records if "unregister" in r.getMessage()], \
+        "the mover's close tripped the store's in-use check"
+
+
+def test_mover_close_racing_callers_leaks_no_slot(store, keyspace):
+    kv = hybrid(256)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=16, key_prefix="race3")
+    outcomes: dict[str, int] = defaultdict(int)
+    unexpected: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                mover.evict([f"{w}-{i}"], pages(w * 2 * PAGE, 2)[:1])
+                outcomes["submitted"] += 1
+            except kvmove.KVMoveError:
+                outcomes["refused"] += 1
+                return
+            except BaseException as e:  # anything else is a bug
+                unexpected.append(e)
+                return
+            i += 1
+
+    callers = [threading.Thread(target=caller, args=(w,)) for w in range(4)]
+    for t in callers:
+        t.start()
+    time.sleep(0.3)
+    mover.close()
+    stop.set()
+    for t in callers:
+        t.join(30)
+    assert unexpected == []
+    assert outcomes["submitted"] > 0 and outcomes["refused"] > 0
+    assert mover.staging.num_free == 16
+
+
+def test_store_close_while_transfers_run_waits_then_fails_new_calls(keyspace, monkeypatch):
+    with kvmove.MooncakeStore.embedded(global_segment_size="16mb") as s:
+        kv = hybrid(64)
+        mover = kvmove.KVMover(kv, s, page_tokens=PAGE, staging_slots=8, key_prefix="sclose")
+        keys = keyspace(4)
+        try:
+            assert mover.evict(keys[:2], pages(0, 2)).wait(30) == [Status.OK] * 2
+            gate = Gate(s, monkeypatch, when="before")
+            p = mover.prefetch(keys[:2], pages(32, 2))
+            gate.wait_entered()
+            closer = threading.Thread(target=s.close)
+            closer.start()
+            closer.join(0.3)
+            assert closer.is_alive(), "store.close() returned while a get was in flight"
+            gate.open()
+            closer.join(60)
+            assert not closer.is_alive() and s.closed
+            # The call in flight finished normally; new ones fail per key, never raise.
+            assert p.wait(30) == [Status.OK] * 2
+            assert page_bytes(kv, pages(32, 1)[0]) == page_bytes(kv, pages(0, 1)[0])
+            before = page_bytes(kv, pages(40, 1)[0])
+            assert mover.evict(keys[2:], pages(8, 2)).wait(30) == [Status.FAILED] * 2
+            assert mover.prefetch(keys[:1], pages(40, 1)).wait(30) == [Status.FAILED]
+            assert page_bytes(kv, pages(40, 1)[0]) == before
+            assert mover.staging.num_free == 8
+        finally:
+            Gate.open_all()
+            mover.close()  # logs that the closed store cannot unregister; does not raise
+
+
+# -- registration --------------------------------------------------------------------------
+
+
+def test_registering_the_same_staging_twice_is_harmless(store, keyspace):
+    kv = hybrid(32)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, key_prefix="reg2")
+    regions = mover.staging.regions()
+    try:
+        store.register(mover.staging)
+        store.register(mover.staging)
+        store.register(regions)  # as plain (address, nbytes) regions, too
+        registered = registered_regions(store)
+        assert all(registered.count(r) == 1 for r in regions)
+        keys = keyspace(2)
+        assert mover.evict(keys, pages(0, 2)).wait(30) == [Status.OK] * 2
+        assert mover.prefetch(keys, pages(16, 2)).wait(30) == [Status.OK] * 2
+        assert page_bytes(kv, pages(16, 1)[0]) == page_bytes(kv, pages(0, 1)[0])
+        assert registered_regions(store).count(regions[0]) == 1
+    finally:
+        Gate.open_all()
+        mover.close()
+    assert not set(regions) & set(registered_regions(store))  # one unregister undid them
+
+
+def test_unregistering_a_region_in_use_is_refused(store, keyspace, monkeypatch):
+    kv = hybrid(32)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, key_prefix="busy")
+    regions = mover.staging.regions()
+    keys = keyspace(2)
+    try:
+        assert mover.evict(keys, pages(0, 2)).wait(30) == [Status.OK] * 2
+        gate = Gate(store, monkeypatch, when="before")
+        p = mover.prefetch(keys, pages(16, 2))
+        gate.wait_entered()
+        assert set(regions_in_use(store)) >= {a for a, _ in regions}
+        with pytest.raises(kvmove.StoreError, match=r"in flight are using it"):
+            store.unregister(mover.staging)
+        assert set(regions) <= set(registered_regions(store))  # nothing was unregistered
+        gate.open()
+        assert p.wait(30) == [Status.OK] * 2
+        assert page_bytes(kv, pages(16, 1)[0]) == page_bytes(kv, pages(0, 1)[0])
+        assert not set(regions_in_use(store)) & {a for a, _ in regions}
+        store.unregister(mover.staging)  # idle now: allowed
+        assert not set(regions) & set(registered_regions(store))
+        # put/get register the staging again by themselves
+        assert mover.prefetch(keys[:1], pages(24, 1)).wait(30) == [Status.OK]
+        assert set(regions) <= set(registered_regions(store))
+    finally:
+        Gate.open_all()
+        mover.close()
+
+
+def test_descriptors_built_from_lists_count_as_users_too(store, keyspace, monkeypatch):
+    # Descriptors made from plain lists name no regions: the store finds the registered
+    # regions their spans start in.
+    staging = kvmove.StagingBuffer(hybrid(8), num_slots=2, page_tokens=PAGE)
+    store.register(staging)
+    made = kvmove.describe(staging, [0], keyspace(1))
+    plain = kvmove.Descriptors(made.keys, made.ptrs, made.sizes)
+    assert plain.regions == ()
+    gate = Gate(store, monkeypatch, call="batch_put_from_multi_buffers")
+    result: list = []
+    putter = threading.Thread(target=lambda: result.append(store.put(plain)))
+    putter.start()
+    try:
+        gate.wait_entered()
+        with pytest.raises(kvmove.StoreError, match="in flight are using it"):
+            store.unregister(staging)
+    finally:
+        gate.open()
+        putter.join(30)
+    assert result == [[Status.OK]]
+    store.unregister(staging)
+    assert not set(staging.regions()) & set(registered_regions(store))
+
+
+# -- processes killed -----------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import json, torch, kvmove
+    store = kvmove.MooncakeStore.embedded(global_segment_size="16mb")
+    kv = kvmove.KVCache({"kv": torch.zeros(2, 256, 656, dtype=torch.uint8)})
+    mover = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=16)
+    print(json.dumps({"pid": store.master.pid, "port": store.master.rpc_port,
+                      "log": store.master.log_path}), flush=True)
+    i = 0
+    while True:  # transfers are running when the signal comes
+        keys = [f"k{i}-{j}" for j in range(8)]
+        mover.evict(keys, torch.arange(32).reshape(8, 4)).wait(30)
+        mover.prefetch(keys, torch.arange(32, 64).reshape(8, 4)).wait(30)
+        i += 1
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_process_killed_leaves_no_orphan_master(sig):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert masters_on_port(info["port"]) == [info["pid"]]
+        time.sleep(0.5)  # evicts and prefetches are in flight
+        proc.send_signal(sig)
+        assert proc.wait(30) == -sig  # the process ends by that signal, as by default
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert wait_gone(info["pid"], 10), f"mooncake_master {info['pid']} outlived its parent"
+    assert masters_on_port(info["port"]) == []  # no orphan anywhere in the process table
+    if sig == signal.SIGTERM:  # kvmove's handler ran the clean-up
+        assert not os.path.exists(info["log"])
+    else:  # nobody was left to remove the log
+        os.unlink(info["log"])
+
+
+def test_an_application_sigterm_handler_is_kept():
+    script = textwrap.dedent("""
+        import signal
+        def mine(signum, frame):
+            pass
+        signal.signal(signal.SIGTERM, mine)
+        from kvmove.store.embedded_master import EmbeddedMaster
+        with EmbeddedMaster():
+            assert signal.getsignal(signal.SIGTERM) is mine
+        print("kept")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "kept", out.stderr[-2000:]
