@@ -23,6 +23,7 @@ from rich.table import Table
 
 import kvmove
 from kvmove.cli.cluster_node import NodeProcess
+from kvmove.store.embedded_master import tcp_reachable
 
 BATCH = 64  # pages per command (each node's cache holds this many)
 
@@ -60,6 +61,13 @@ def run_main(args, console: Console) -> int:
     try:
         if args.master:
             address = args.master
+            host, _, port = address.rpartition(":")
+            if not tcp_reachable(host.strip("[]"), int(port), 5.0):
+                console.print(f"[bold red]demo failed[/]: cannot reach the Mooncake master at "
+                              f"{address} (no TCP connection within 5 s; is mooncake_master "
+                              f"running there?)", soft_wrap=True)
+                shutil.rmtree(logs, ignore_errors=True)
+                return 1
         else:
             master = kvmove.EmbeddedMaster(keep_log=verbose)
             address = master.address
@@ -89,7 +97,8 @@ def run_main(args, console: Console) -> int:
             results = list(pool.map(lambda n: _decode(n, pages, unknown), nodes[1:]))
         ok = report(console, args, nodes, put, evict_s, results, pages, unknown)
     except (kvmove.StoreError, RuntimeError, TimeoutError) as e:
-        console.print(f"[bold red]demo failed[/]: {e}")
+        # One line: the cause. The processes' logs (named below) hold the rest.
+        console.print(f"[bold red]demo failed[/]: {str(e).splitlines()[0]}", soft_wrap=True)
         ok = False
     finally:
         codes = [n.close() for n in nodes]

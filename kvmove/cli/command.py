@@ -7,7 +7,6 @@ is imported only when it runs. ``-v`` works before or after the subcommand.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
@@ -76,15 +75,25 @@ def main(argv=None) -> int:
     args, rest, subparser = parse(sys.argv[1:] if argv is None else argv)
     # Mooncake's own (glog) logging: errors only, unless -v; an explicit setting wins.
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if args.verbose else "ERROR")
-    quiet = args.command == "demo" and not args.verbose
-    with contextlib.ExitStack() as stack:
-        if quiet:  # Mooncake's native log lines go to a file, not the terminal
-            from kvmove.cli.native_log import native_stderr_to
-
-            stack.enter_context(native_stderr_to("kvmove-demo-mooncake-"))
-        logging.basicConfig(level=logging.WARNING - 10 * args.verbose,
-                            format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING - 10 * args.verbose,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command != "demo" or args.verbose:
         return run(args, rest, subparser)
+    # The demo keeps Mooncake's native log lines out of the terminal: in a file that is
+    # removed after a good run and named after a failed one.
+    from kvmove.store.native_log import native_stderr_to
+
+    code = 1
+    with native_stderr_to("kvmove-demo-mooncake-") as native_log:
+        try:
+            code = run(args, rest, subparser)
+        finally:
+            if code == 0 or os.path.getsize(native_log) == 0:
+                os.unlink(native_log)
+            else:
+                print(f"kvmove demo: Mooncake's own log of this run: {native_log}",
+                      file=sys.stderr)
+    return code
 
 
 def run(args, rest, subparser) -> int:

@@ -338,12 +338,16 @@ def run_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
         from kvmove.cli import cluster_demo
 
         return cluster_demo.run_main(args, console)
+    if args.backend == "triton" and torch.device(args.device).type == "cpu":
+        console.print("[yellow]note[/]: without a GPU the Triton backend runs in Triton's "
+                      "interpreter, about a minute per decode step; --backend torch is the "
+                      "CPU's fast path", soft_wrap=True)
     t0 = time.perf_counter()
     try:
         tally = run(args, console)
-    except kvmove.StoreError as e:
-        console.print(f"[bold red]store error[/]: {e}")
-        return 2
+    except kvmove.StoreError as e:  # one line: the cause (-v shows the store's log)
+        console.print(f"[bold red]store error[/]: {str(e).splitlines()[0]}", soft_wrap=True)
+        return 1
     return 0 if report(args, tally, time.perf_counter() - t0, console) else 1
 
 

@@ -43,7 +43,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prefetch layer by layer (wait_layer) instead of all layers at once")
     p.add_argument("--master", default=None,
                    help="host:port of an existing Mooncake master (other settings from "
-                        "MOONCAKE_* variables); default: start an embedded master")
+                        "MOONCAKE_* variables); default: $MOONCAKE_MASTER, else an embedded "
+                        "master")
     p.add_argument("--processes", type=int, default=1,
                    help="engine processes (default 1). 2 or more: the prefill/decode shape, "
                         "one process evicts the pages it prefilled and the others prefetch "
@@ -72,30 +73,55 @@ def check(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--processes must be at most 64, got {args.processes}")
     if args.layerwise and args.processes > 1:
         parser.error("--layerwise applies to the single-process demo (--processes 1)")
-    if args.topk is not None and args.resident is not None and args.topk > args.resident:
-        parser.error(f"--topk ({args.topk}) must not exceed --resident ({args.resident})")
+    if args.resident is not None and args.resident < 2 and args.processes == 1:
+        parser.error(f"--resident must be at least 2 (the tail page and one more), "
+                     f"got {args.resident}")
+    if (args.topk is not None and args.resident is not None and args.processes == 1
+            and args.topk >= args.resident):
+        parser.error(f"--topk ({args.topk}) must be less than --resident ({args.resident}): "
+                     f"the selected pages and the tail page must all be resident")
     if args.staging_slots is not None:
         topk = args.topk if args.topk is not None else 1
         if args.staging_slots < topk:
             parser.error(f"--staging-slots must be at least --topk ({topk}): one step moves "
                          f"up to --topk pages at once, got {args.staging_slots}")
-    if args.master is not None:
-        from kvmove.store.config import StoreConfig
+    check_store_settings(parser, args)
 
+
+def check_store_settings(parser: argparse.ArgumentParser, args) -> None:
+    """The master: ``--master``, else ``MOONCAKE_MASTER``, else an embedded one (``args.master``
+    None). Every ``MOONCAKE_*`` variable is checked now, so a typo is one line, exit 2,
+    before anything waits."""
+    import os
+
+    from kvmove.store.config import StoreConfig
+
+    if args.master is not None:
         try:
             StoreConfig(master_address=args.master)
         except ValueError as e:
             parser.error(f"--master: {e}")
+    elif os.environ.get("MOONCAKE_MASTER", "").strip():
+        args.master = os.environ["MOONCAKE_MASTER"].strip()
+    try:
+        StoreConfig.from_env(master_address=args.master or "127.0.0.1:1")
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def settle_defaults(parser: argparse.ArgumentParser, args, on_gpu: bool) -> None:
-    """Fill the machine-dependent defaults, then check again."""
+    """Fill the machine-dependent defaults, then check again. A default never overrules a
+    value given: ``--topk 100`` alone raises the default ``--resident`` to fit it."""
+    given = {name for name in MACHINE_DEFAULTS if getattr(args, name) is not None}
     for name, (gpu, cpu) in MACHINE_DEFAULTS.items():
         if getattr(args, name) is None:
             value = PROCESS_DEFAULTS.get(name) if args.processes > 1 else None
             setattr(args, name, value or (gpu if on_gpu else cpu))
     if args.layers is None:
         args.layers = PROCESS_DEFAULTS["layers"] if args.processes > 1 else 61
-    if args.topk > args.resident:  # a default against a value given: keep the given one
-        args.topk = args.resident
+    if args.processes == 1 and args.topk >= args.resident:
+        if "resident" not in given:
+            args.resident = args.topk + 1
+        elif "topk" not in given:
+            args.topk = max(1, args.resident - 1)
     check(parser, args)

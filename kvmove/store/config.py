@@ -25,6 +25,7 @@ value raises ``ValueError`` naming the variable (or field) and the value.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -35,6 +36,9 @@ __all__ = ["StoreConfig", "parse_size"]
 
 DEFAULT_GLOBAL_SEGMENT_SIZE = 4 << 30  # SGLang's default
 DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20  # SGLang's: the zero-copy API needs no local buffer
+# The transports Mooncake 0.3.13 knows (its store.so); a typo must fail before anything waits.
+PROTOCOLS = ("tcp", "rdma", "nvlink", "nvlink_intra", "efa", "cxl", "hip", "barex", "ascend",
+             "nvmeof", "ubshmem")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
           "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
@@ -47,7 +51,6 @@ MAX_SIZE = (1 << 63) - 1  # what Mooncake's int64/size_t arguments can hold
 _HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+(?:%\w+)?\]",
                    re.ASCII)
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
-_PROTOCOL = re.compile(r"[a-z][a-z0-9_]*", re.ASCII)
 _NO_SPACE_OR_CONTROL = re.compile(r"[^\s\x00-\x1f\x7f]*")
 
 # Environment variable -> field.
@@ -158,10 +161,11 @@ class StoreConfig:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
             set_(self, name, value.strip())
         set_(self, "protocol", self.protocol.lower())
-        if not _PROTOCOL.fullmatch(self.protocol):
+        if self.protocol not in PROTOCOLS:
+            close = difflib.get_close_matches(self.protocol, PROTOCOLS, n=1)
             raise ValueError(
-                f"protocol must be a Mooncake transport name such as 'tcp' or 'rdma', "
-                f"got {self.protocol!r}"
+                f"protocol must be a Mooncake transport ({', '.join(PROTOCOLS)}), got "
+                f"{self.protocol!r}" + (f"; did you mean {close[0]!r}?" if close else "")
             )
         name, _, port = self.local_hostname.rpartition(":")
         host = self.local_hostname

@@ -428,7 +428,7 @@ class EmbeddedMaster:
     def _start(self, argv: list[str], timeout: float, *, last_attempt: bool) -> bool:
         """Spawn and wait for readiness; ``False`` when the ports were taken meanwhile."""
         with contextlib.ExitStack() as files:
-            out = (None if self.log_path is None
+            out = (2 if self.log_path is None  # this process's stderr
                    else files.enter_context(open(self.log_path, "ab")))
             proc = _Spawner.popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

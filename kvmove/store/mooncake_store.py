@@ -86,6 +86,7 @@ from kvmove.status import (
 )
 from kvmove.store.config import StoreConfig
 from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
+from kvmove.store.native_log import native_stderr_captured, quiet_mooncake_log
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ class MooncakeStore:
                 f"cannot reach the Mooncake master at {address}: no TCP connection within "
                 f"{config.connect_timeout:g}s (is mooncake_master running there?){detail}"
             )
+        quiet_mooncake_log()
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -233,17 +235,19 @@ class MooncakeStore:
                 "mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda on a machine "
                 f"without CUDA): {e}"
             ) from e
-        client = MooncakeDistributedStore()
+        said: list[str] = []
         try:
-            rc = client.setup(
-                config.local_hostname,
-                config.metadata_server,
-                config.global_segment_size,
-                config.local_buffer_size,
-                config.protocol,
-                config.rdma_devices,
-                address,
-            )
+            with native_stderr_captured() as said:  # glog's set-up lines go to the logger
+                client = MooncakeDistributedStore()
+                rc = client.setup(
+                    config.local_hostname,
+                    config.metadata_server,
+                    config.global_segment_size,
+                    config.local_buffer_size,
+                    config.protocol,
+                    config.rdma_devices,
+                    address,
+                )
         except Exception as e:  # a pybind argument or engine error
             raise StoreError(f"Mooncake setup() against the master at {address} raised: {e}") \
                 from e
@@ -254,6 +258,7 @@ class MooncakeStore:
                 f"metadata_server={config.metadata_server!r}, "
                 f"global_segment_size={config.global_segment_size} (Mooncake needs at least "
                 f"16 MiB, or 0), local_hostname={config.local_hostname!r}"
+                + (f"; Mooncake said: {' | '.join(said[-3:])}" if said else "")
             )
         log.info("joined Mooncake store at %s (%s, %s)", address, config.protocol,
                  config.metadata_server)
