@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
-die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+TAG=setup
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 PYTHON=${PYTHON:-python3}
 command -v "$PYTHON" >/dev/null || die "$PYTHON not found: install Python >= 3.10"
@@ -40,7 +41,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
   fi
 fi
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check)
+SETUP_LOG=.venv/setup.log  # pip's output (the terminal gets one line a step)
 
 # The extra that fits this machine: a CUDA 13 / CUDA 12 driver, or none.
 extra=cpu
@@ -61,10 +63,10 @@ if [ "$extra" = cpu ]; then
   install_cpu_torch .venv/bin/python "${KVMOVE_TORCH_VERSION:-2.13.0}"
 else
   say "installing torch (CUDA build, for a ${extra} driver)"
-  "${PIP[@]}" torch
+  quietly "${PIP[@]}" torch
 fi
 say "installing kvmove[$extra,test] (editable)"
-"${PIP[@]}" -e ".[$extra,test]"
+quietly "${PIP[@]}" -e ".[$extra,test]"
 .venv/bin/python -c 'import mooncake.store' \
   || die "the Mooncake wheel does not import (see the error above)"
 echo "$want" >"$stamp"

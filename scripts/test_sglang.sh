@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-say() { printf '\033[1m[test_sglang]\033[0m %s\n' "$*"; }
-die() { printf '\033[1;31m[test_sglang] error:\033[0m %s\n' "$*" >&2; exit 1; }
+TAG=test_sglang
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 setup_only=0
 if [ "${1:-}" = --setup-only ]; then setup_only=1; shift; fi
@@ -23,7 +24,8 @@ SGLANG_MODULES=(orjson msgspec psutil pybase64 packaging pillow starlette pydant
                 compressed_tensors gguf)
 
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+SETUP_LOG=$VENV/setup.log  # pip's output (the terminal gets one line a step)
 
 constraints="$VENV/constraints.txt"
 printf 'torch==%s\n' "$TORCH_VERSION" >"$constraints"
@@ -34,10 +36,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   . scripts/cpu_torch.sh
   install_cpu_torch "$VENV/bin/python" "$TORCH_VERSION"
   say "installing kvmove[cpu,test] (editable)"
-  "${PIP[@]}" -c "$constraints" -e ".[cpu,test]"
+  quietly "${PIP[@]}" -c "$constraints" -e ".[cpu,test]"
   say "installing sglang==$SGLANG_VERSION (no dependencies) and its cache modules' imports"
-  "${PIP[@]}" -c "$constraints" --no-deps "sglang==$SGLANG_VERSION"
-  "${PIP[@]}" -c "$constraints" "${SGLANG_MODULES[@]}"
+  quietly "${PIP[@]}" -c "$constraints" --no-deps "sglang==$SGLANG_VERSION"
+  quietly "${PIP[@]}" -c "$constraints" "${SGLANG_MODULES[@]}"
   "$VENV/bin/python" -c 'import mooncake.store' \
     || die "the Mooncake wheel does not import (see the error above)"
   echo "$want" >"$stamp"

