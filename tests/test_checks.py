@@ -1,0 +1,140 @@
+"""kvmove.checks on its own: each check accepts what the API allows, and refuses the rest with
+the named exception, naming the argument and the first bad value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvmove import checks
+
+
+def test_as_index_tensor_takes_tensors_and_lists_of_ints():
+    t = torch.tensor([3, -1], dtype=torch.int32)
+    assert checks.as_index_tensor(t, "rows", dim=1) is t
+    got = checks.as_index_tensor([[1, 2], [3, 4]], "pages", dim=2)
+    assert got.dtype == torch.int64 and got.tolist() == [[1, 2], [3, 4]]
+    assert checks.as_index_tensor([], "rows", dim=1).shape == (0,)
+    assert checks.as_index_tensor([], "pages", dim=2).shape == (0, 0)
+
+
+@pytest.mark.parametrize(("value", "error", "match"), [
+    (torch.tensor([1.0]), TypeError, "rows must be int32 or int64"),
+    (torch.tensor([1], dtype=torch.int16), TypeError, "int16"),
+    (torch.tensor([[1]]), ValueError, "1 dimension"),
+    ([1.5], TypeError, "rows must hold integers"),
+    ([True], TypeError, "rows must hold integers"),
+    ("12", TypeError, "rows must be an int32/int64 tensor"),
+    ([2**70], ValueError, "rows is not a valid index list"),
+])
+def test_as_index_tensor_refuses(value, error, match):
+    with pytest.raises(error, match=match):
+        checks.as_index_tensor(value, "rows", dim=1)
+
+
+def test_check_range_names_the_first_bad_entry():
+    checks.check_range(torch.tensor([-1, 0, 9]), 10, "rows")
+    with pytest.raises(IndexError, match=r"rows\[2\] = 10 is out of range"):
+        checks.check_range(torch.tensor([0, 1, 10, 11]), 10, "rows")
+    with pytest.raises(IndexError, match=r"rows\[1\] = -2"):
+        checks.check_range(torch.tensor([0, -2]), 10, "rows")
+    checks.check_range(torch.zeros(0, dtype=torch.int64), 0, "rows")
+
+
+def test_check_unique_ignores_skips_and_names_the_repeated_row():
+    checks.check_unique(torch.tensor([-1, -1, 3, 1]), "rows")
+    with pytest.raises(ValueError, match="names row/slot 3 more than once"):
+        checks.check_unique(torch.tensor([3, 1, 3]), "rows")
+    with pytest.raises(ValueError, match="names row/slot 8 more than once"):
+        checks.check_unique(np.array([2, 2]), "pages", page_tokens=4)
+
+
+def test_check_disjoint():
+    checks.check_disjoint(torch.tensor([0, 1, -1]), torch.tensor([2, -1, 3]))
+    with pytest.raises(ValueError, match="both name row 1"):
+        checks.check_disjoint(torch.tensor([0, 1]), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("value", [[1, 2], (1, 2), np.array([1, 2], dtype=np.uint8),
+                                   torch.tensor([1, 2], dtype=torch.int32)])
+def test_as_int_array_accepts_integer_sequences(value):
+    got = checks.as_int_array(value, "slots")
+    assert got.dtype == np.int64 and got.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    ([1.0], TypeError), (["a"], TypeError), ("12", TypeError), ([[1]], ValueError),
+    (torch.tensor([True]), TypeError), (np.array([2**64 - 1], dtype=np.uint64), TypeError),
+])
+def test_as_int_array_refuses(value, error):
+    with pytest.raises(error, match="slots"):
+        checks.as_int_array(value, "slots")
+
+
+def test_check_positive_int_and_layout():
+    assert checks.check_positive_int(np.int64(3), "n") == 3
+    for bad in (0, -1, True, 2.0, "3"):
+        with pytest.raises(ValueError, match=r"n must be a positive int"):
+            checks.check_positive_int(bad, "n")
+    assert checks.check_layout("a", ("a", "b")) == "a"
+    with pytest.raises(ValueError, match=r"layout must be one of \('a', 'b'\), got 'c'"):
+        checks.check_layout("c", ("a", "b"))
+
+
+def test_check_keys():
+    assert checks.check_keys(("a", "b")) == ["a", "b"]
+    with pytest.raises(TypeError, match="wrap a single key in a list"):
+        checks.check_keys("abc")
+    with pytest.raises(TypeError, match=r"keys\[1\] must be a str"):
+        checks.check_keys(["a", 1])
+    with pytest.raises(ValueError, match=r"keys\[1\] is an empty string"):
+        checks.check_keys(["a", ""])
+    with pytest.raises(ValueError, match=r"keys\[2\] = 'a' repeats"):
+        checks.check_keys(["a", "b", "a"])
+    assert checks.check_keys(["a", "a"], unique=False) == ["a", "a"]
+
+
+def test_check_slots_and_valid_tokens():
+    assert checks.check_slots([3, 0], 2, 4).tolist() == [3, 0]
+    with pytest.raises(ValueError, match="slots has 1 entries for 2 keys"):
+        checks.check_slots([1], 2, 4)
+    with pytest.raises(IndexError, match=r"slots\[1\] = 4 is out of range 0..3"):
+        checks.check_slots([1, 4], 2, 4)
+    assert checks.check_valid_tokens(None, 2, 8).tolist() == [8, 8]
+    assert checks.check_valid_tokens(3, 2, 8).tolist() == [3, 3]
+    assert checks.check_valid_tokens(torch.tensor(5), 1, 8).tolist() == [5]
+    assert checks.check_valid_tokens([1, 8], 2, 8).tolist() == [1, 8]
+    for bad, error in ((0, ValueError), (9, ValueError), (2.0, TypeError), (True, TypeError),
+                       ([1], ValueError), ([1, 0], ValueError), (torch.tensor(1.0), TypeError)):
+        with pytest.raises(error, match="valid_tokens"):
+            checks.check_valid_tokens(bad, 2, 8)
+
+
+def test_page_numbers():
+    assert checks.page_numbers(np.arange(8, 16), 4, 4, "idx").tolist() == [2, 3]
+    with pytest.raises(ValueError, match="not a whole number of pages"):
+        checks.page_numbers(np.arange(6), 4, 4, "idx")
+    with pytest.raises(ValueError, match=r"idx\[4\] = 5 does not start a page"):
+        checks.page_numbers([0, 1, 2, 3, 5, 6, 7, 8], 4, 4, "idx")
+    with pytest.raises(IndexError, match=r"idx\[0\] = 16 is page 4, outside the pool's 4"):
+        checks.page_numbers(np.arange(16, 20), 4, 4, "idx")
+
+
+@given(st.lists(st.integers(-3, 12), max_size=40), st.integers(1, 12), st.booleans())
+def test_small_rows_ok_agrees_with_the_full_checks(rows, limit, unique):
+    a = np.array(rows, dtype=np.int64).reshape(-1, 1) if rows else np.zeros((0, 1), np.int64)
+    if not rows:
+        return
+    try:
+        checks.check_range(torch.from_numpy(a), limit, "rows")
+        if unique:
+            checks.check_unique(torch.from_numpy(a), "rows")
+        full = True
+    except (IndexError, ValueError):
+        full = False
+    assert checks.small_rows_ok(a, limit, unique=unique) == full
+    big = np.zeros(checks.SMALL_ROWS + 1, dtype=np.int64)
+    assert checks.small_rows_ok(big, limit, unique=False) is False  # left to numpy

@@ -1,0 +1,57 @@
+"""Store keys: the namespace changes whenever the object format would (geometry, page size,
+checksum, layout), stays put when it would not, and raw keys are used as given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvmove
+from kvmove.keys import KeySpace, RawKeys, geometry_fingerprint
+
+
+def cache(rows=656, layers=2, dtype=torch.uint8, slots=32, names=("kv",)):
+    return kvmove.KVCache({n: torch.zeros(layers, slots, rows // dtype.itemsize, dtype=dtype)
+                           for n in names})
+
+
+def test_store_keys_carry_the_namespace_and_the_prefix():
+    space = KeySpace(cache(), 16, "model-a_tp0.v1")
+    assert space.namespace == f"kvm-{space.fingerprint}-model-a_tp0.v1"
+    assert space.store_keys(["p1", "p2"]) == [f"{space.namespace}:p1", f"{space.namespace}:p2"]
+    assert KeySpace(cache(), 16).namespace == f"kvm-{space.fingerprint}"
+
+
+@pytest.mark.parametrize("change", [
+    dict(kv=cache(rows=132)), dict(kv=cache(layers=3)), dict(kv=cache(dtype=torch.float32)),
+    dict(kv=cache(names=("kv", "indexer"))), dict(page_tokens=64), dict(checksum=True),
+    dict(layout="page_first"),
+])
+def test_the_fingerprint_changes_with_the_object_format(change):
+    base = dict(kv=cache(), page_tokens=16, checksum=False, layout="layer_first")
+    assert geometry_fingerprint(**base) != geometry_fingerprint(**(base | change))
+
+
+def test_the_fingerprint_ignores_what_does_not_change_objects():
+    # The number of KV slots and the memory the cache lives in do not change an object.
+    assert geometry_fingerprint(cache(slots=32), 16) == geometry_fingerprint(cache(slots=64), 16)
+    fp = geometry_fingerprint(cache(), 16)
+    assert len(fp) == 12 and int(fp, 16) >= 0
+
+
+@pytest.mark.parametrize("prefix", ["a b", "a:b", "a/b", "é", 7])
+def test_a_prefix_outside_the_allowed_characters_is_refused(prefix):
+    with pytest.raises(ValueError, match="key_prefix"):
+        KeySpace(cache(), 16, prefix)
+
+
+def test_an_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        KeySpace(cache(), 16, layout="token_first")
+
+
+def test_raw_keys_are_used_as_given():
+    keys = ["m@tp_rank:0@group:0@00ff", "x"]
+    assert RawKeys().store_keys(keys) == keys
+    assert RawKeys().store_keys(keys) is not keys
+    assert RawKeys.namespace == ""
