@@ -12,7 +12,7 @@ test:
 bench: setup
 	bash scripts/test_sglang.sh --setup-only
 	bash scripts/test_vllm.sh --setup-only
-	.venv/bin/python -m bench.run_all
+	.venv/bin/python -m bench.run_all --report
 
 lint: setup
 	.venv/bin/ruff check .

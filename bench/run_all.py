@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", choices=["kernels", *SUITES], default=None,
                    help="run only these suites")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report", action="store_true",
+                   help="write docs/PERFORMANCE.md and the README's headline figures from "
+                        "this run (python -m bench.report)")
     return p
 
 
@@ -157,7 +160,15 @@ def main(argv=None) -> int:
         from bench.plot import plot
 
         console.print(f"plot:    {plot(data, path.with_suffix('.png'))}")
-    console.print(f"results: {path}  (README section: python -m bench.report {path})")
+    console.print(f"results: {path}")
+    if args.report:
+        from bench import report
+
+        report.main([str(path), "--out", "docs/PERFORMANCE.md", "--readme", "README.md"])
+        console.print("wrote docs/PERFORMANCE.md and the README's headline figures")
+    else:
+        console.print(f"(docs/PERFORMANCE.md: python -m bench.report {path} --out "
+                      f"docs/PERFORMANCE.md --readme README.md)")
     console.print(f"took {data['seconds']:.0f} s")
     return 0
 

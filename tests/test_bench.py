@@ -81,11 +81,23 @@ def test_headlines_and_ratios_come_from_the_records():
     assert "missed" in md and "met" in md
 
 
-def test_report_command_prints_markdown(tmp_path, capsys):
+def test_report_writes_the_page_and_the_readme_headlines(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(fake_results()))
     assert report.main([str(path)]) == 0
-    assert capsys.readouterr().out.startswith("### Performance on Test CPU")
+    assert capsys.readouterr().out.startswith("# kvmove performance")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nold\n{report.END}\nrest\n")
+    page = tmp_path / "PERFORMANCE.md"
+    assert report.main([str(path), "--out", str(page), "--readme", str(readme)]) == 0
+    text = page.read_text()
+    # Where kvmove is behind, stated plainly: 8.0 against the primitive's 10.0 GB/s.
+    late = text.split("## Where kvmove is behind", 1)[1].split("###", 1)[0]
+    assert "gather of 656-byte rows, 64-token pages, 1024 pages: torch at 0.80x" in late
+    assert "scatter" not in late.split("- torch")[0]  # 5.0 over 1.0: ahead, not listed
+    head = readme.read_text()
+    assert head.startswith("intro\n") and head.endswith("rest\n") and "old" not in head
+    assert "docs/PERFORMANCE.md" in head and "behind" in head
 
 
 def test_byte_cap_keeps_the_smallest_page_count():
