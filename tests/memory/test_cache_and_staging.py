@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import kvmove
 from kvmove.rows.row_numbers import page_rows, page_rows_on_device
 from tests.support.caches import make_layers
+from tests.support.threads import run_threads
 
 
 def test_cache_describes_buffers():
@@ -139,11 +140,7 @@ def test_allocator_is_thread_safe():
                 owner[s] = None
             staging.free(slots)
 
-    threads = [threading.Thread(target=worker, args=(m,)) for m in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, 8)
     assert failures == []
     assert staging.num_free == 64
 

@@ -13,6 +13,7 @@ import kvmove
 from kvmove import mover as mover_module
 from kvmove.status import BAD_ROWS, STAGING_TIMEOUT
 from tests.support.caches import make_layers, snapshot, write_random
+from tests.support.threads import run_threads
 
 GEOMETRIES = {
     "mla": lambda slots: {"kv": make_layers(4, slots, 656, torch.uint8, stacked=True, seed=1)},
@@ -195,11 +196,7 @@ def test_eight_threads_evicting_and_prefetching_lose_nothing(make_mover, keyspac
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, 8)
     assert errors == []
     for n in kv.buffer_names:
         for layer in range(kv.num_layers(n)):

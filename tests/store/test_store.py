@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from kvmove.store.mooncake_store import StoreResult
 from tests.conftest import LEASE_MS
 from tests.support.staging_data import GEOMETRIES, canonical, make_staging, page
 from tests.support.store_state import registered_regions
+from tests.support.threads import run_threads
 
 pytestmark = pytest.mark.store
 
@@ -194,11 +194,7 @@ def test_concurrent_puts_and_gets(store, keyspace):
         except Exception as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, 4)
     assert not errors
 
 
