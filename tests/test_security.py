@@ -17,7 +17,7 @@ from kvmove.store.embedded_master import BINARY_ENV, EmbeddedMaster
 from tests.support.process_table import listening_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = [ROOT / "kvmove", ROOT / "kernels"]
+PACKAGE_DIRS = [ROOT / "kvmove"]
 
 
 @pytest.mark.store
