@@ -141,3 +141,41 @@ def test_the_copy_measurements_run_on_the_cpu(monkeypatch):
     result = SimpleNamespace(**{"copy_engine": ce})
     assert set(bench_gpu.tuner_paths(result.copy_engine)) == {"gather/tiny/p16",
                                                               "scatter/tiny/p16"}
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.gpu.test_kernel" name="test_a"/>
+<testcase classname="tests.gpu.test_mover" name="test_b">{extra}</testcase>
+</testsuite></testsuites>"""
+
+
+def test_the_verdict_fails_on_a_skip_a_refused_batch_or_a_failed_step(tmp_path):
+    from bench import gpu_verdict
+
+    def run(extra="", bench=None, *argv):
+        junit = tmp_path / "t.xml"
+        junit.write_text(JUNIT.format(extra=extra))
+        path = tmp_path / "b.json"
+        path.write_text(json.dumps(bench if bench is not None else
+                                   {**fake_result(), "goals": {
+                                       g.name: {"value": g.value, "met": g.met}
+                                       for g in bench_gpu.goals(fake_result())}}))
+        return gpu_verdict.verdict(gpu_verdict.read_junit(junit), json.loads(path.read_text()),
+                                   list(argv), deselected=1, seconds=300)
+
+    ok, line = run()
+    assert ok and line.startswith("GPU CHECK: PASS - 2/2 GPU tests passed")
+    assert "1 multi-GPU test(s) not run" in line and "goals met 3/4" in line
+    assert "missed: gather_vs_bulk 0.88" in line and "0 refused batches" in line
+    ok, line = run('<skipped message="needs Mooncake"/>')
+    assert not ok and "1 GPU test(s) skipped (first: tests.gpu.test_mover::test_b)" in line
+    ok, line = run('<failure message="boom"/>')
+    assert not ok and "1 GPU test(s) failed" in line
+    ok, line = run("", {**fake_result(), "refused_batches": 2})
+    assert not ok and "2 copy-engine batch(es) refused" in line
+    ok, line = run("", None, "tuning")
+    assert not ok and "step(s) failed: tuning" in line
+    ok, line = run("", {"skipped": "needs a CUDA GPU"})
+    assert not ok and "benchmark skipped" in line
+    assert gpu_verdict.read_junit(tmp_path / "missing.xml") is None
+    assert gpu_verdict.verdict(None, None, [])[0] is False

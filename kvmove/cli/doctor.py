@@ -101,7 +101,8 @@ def check_cuda_bindings(gpu_name: str | None, *, required: bool = False) -> list
     """cuda-bindings, which the copy engine needs (two-hop path, batched copies; pinned
     staging and the direct kernel need no binding). Missing on a GPU machine it is a note,
     or a problem with ``required`` (``scripts/gpu_check.sh``: the check tests the copy
-    engine); of another CUDA major than torch's it is a problem."""
+    engine). Where torch sees the GPU, one small copy through it into pinned memory proves
+    it works with this driver (a binding of another CUDA major than torch's may)."""
     if gpu_name is None:
         return [Finding("cuda-bindings", "no GPU: not used", "note")]
     try:
@@ -121,16 +122,45 @@ def check_cuda_bindings(gpu_name: str | None, *, required: bool = False) -> list
     found = [Finding("cuda-bindings", f"{version} (torch's CUDA: {torch.version.cuda})")]
     if version and major and version.split(".")[0] != major:
         found.append(Finding("cuda-bindings", f"{version} is for CUDA {version.split('.')[0]}, "
-                             f"torch is built for CUDA {major}", "problem", fix))
-        return found
+                             f"torch is built for CUDA {major}: it works only where the "
+                             "driver supports both (the copy below tells)", "note", fix))
     if torch.cuda.is_available():
-        from kvmove.memory import cuda_api
-
-        batch = cuda_api.has_memcpy_batch()
-        found.append(Finding("copy engine", "cuMemcpyBatchAsync available" if batch
-                             else "no cuMemcpyBatchAsync (driver < 12.8): one copy per span",
-                             "ok" if batch else "note"))
+        found += _copy_engine_probe(fix)
     return found
+
+
+def _copy_engine_probe(fix: str) -> list[Finding]:
+    """Pin 64 KiB as the staging is pinned, copy 256 bytes into it through the copy engine at
+    its device address, and compare."""
+    import torch
+
+    from kvmove.memory import cuda_api
+    from kvmove.memory.host_memory import HostMemory
+
+    try:
+        memory = HostMemory(1 << 16, pin=True)
+        try:
+            src = torch.arange(256, dtype=torch.int64, device="cuda").to(torch.uint8)
+            torch.cuda.synchronize()
+            cuda_api.memcpy_async(memory.device_address + 64, src.data_ptr(), 256,
+                                  torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            right = torch.equal(memory.tensor[64:320], src.cpu())
+            uva = memory.device_address == memory.address
+        finally:
+            memory.close()
+    except Exception as e:
+        return [Finding("copy engine", f"a copy into pinned memory failed: {e}", "problem", fix)]
+    if not right:
+        return [Finding("copy engine", "a copy into pinned memory wrote wrong bytes", "problem",
+                        "report this: the device address of pinned memory is wrong here")]
+    batch = cuda_api.has_memcpy_batch()
+    return [Finding("copy engine", "a copy into pinned memory is right ("
+                    + ("device address = host address (UVA)" if uva else
+                       "device address from cudaHostGetDevicePointer") + "); "
+                    + ("cuMemcpyBatchAsync available" if batch
+                       else "no cuMemcpyBatchAsync (driver < 12.8): one copy per span"),
+                    "ok" if batch else "note")]
 
 
 def check_mooncake() -> list[Finding]:
