@@ -64,8 +64,9 @@ class DeviceRing:
             device_addresses=tuple(v.data_ptr() for v in views),
         )
         # Ring row numbers 0 .. capacity - 1 where the copies read them (made once: a call
-        # uploads nothing for them).
-        self._numbers = torch.arange(capacity, dtype=torch.int64, device=like.device)
+        # uploads nothing for them). A blocking upload, not a kernel on the current stream:
+        # the copies read them on other streams, which must not overtake their writing.
+        self._numbers = torch.arange(capacity, dtype=torch.int64).to(like.device)
         self._lock = threading.Lock()
         self._last_use = None  # torch.cuda.Event recorded after the previous use
 
@@ -88,6 +89,7 @@ class DeviceRing:
                 event.record(stream)
                 self._last_use = event
                 self.tensor.record_stream(stream)
+                self._numbers.record_stream(stream)
 
     def wait_idle(self) -> None:
         """Block until the device has finished the last use of the ring."""

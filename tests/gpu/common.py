@@ -91,7 +91,7 @@ class BusyDevice:
     only once the spin has ended: :meth:`still_busy` is then False. Work the call enqueues
     after the caller's stream runs after the spin, so bytes show ordering too."""
 
-    def __init__(self, seconds: float = 2.0):
+    def __init__(self, seconds: float = 1.0):
         rate = _cycles_per_second()
         torch.cuda._sleep(int(seconds * rate))
         self.done = torch.cuda.Event()
