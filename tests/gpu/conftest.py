@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     two = pytest.mark.skip(reason="needs two GPUs")
     for item in items:
-        if not str(item.fspath).startswith(here):
+        if not str(item.path).startswith(here):
             continue
         if not torch.cuda.is_available():
             item.add_marker(skip)
