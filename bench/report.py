@@ -101,6 +101,10 @@ def suite_section(name: str, suite: dict) -> list[str]:
     """The markdown of an optional suite's results (``bench_store``, ``bench_mover``)."""
     if not isinstance(suite, dict):
         return []
+    if suite.get("benchmark") == "bench_gpu" or (name == "gpu" and "skipped" in suite):
+        from bench.bench_gpu import markdown
+
+        return markdown(suite)
     if "skipped" in suite or "failed" in suite:
         return [f"*{name} suite: {suite.get('skipped') or suite.get('failed')}*", ""]
     command = re.sub(r" --json \S+", "", suite.get("command", ""))

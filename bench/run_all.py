@@ -7,8 +7,10 @@ The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of
 package, run as ``python -m <module> ... --json PATH`` in a process of their own (their
 results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
 ``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_calls.py`` (the
-fixed cost of one call, back to back) and ``bench/bench_vllm.py`` (vLLM connector save/load
-against vLLM's own Mooncake connector, in ``.venv-vllm``). A suite whose module is missing
+fixed cost of one call, back to back), ``bench/bench_gpu.py`` (the GPU path's goals: vs
+bulk and per-page copies, beside a matmul, copy engine vs kernel; skipped without a GPU)
+and ``bench/bench_vllm.py`` (vLLM connector save/load against vLLM's own Mooncake
+connector, in ``.venv-vllm``). A suite whose module is missing
 is skipped with a message.
 """
 
@@ -42,6 +44,7 @@ SUITES = {
               []),
     "mover": ("bench.bench_mover", ["--quick"], []),
     "calls": ("bench.bench_calls", ["--quick"], []),
+    "gpu": ("bench.bench_gpu", ["--quick"], []),  # records "skipped" without a GPU
     "vllm": ("bench.bench_vllm", ["--quick"], []),
     "sglang": ("bench.bench_sglang", ["--quick"], []),
 }

@@ -28,6 +28,7 @@ from kvmove.keys import KeySpace, RawKeys
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.device_ring import prepare_rings
+from kvmove.rows.host_indices import to_device
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
 from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
@@ -158,11 +159,12 @@ class KVMover:
 
     def _warm_up(self) -> None:
         """Compile (or load) every kernel the mover launches, and allocate the two-hop rings,
-        before serving: one launch of each prepared copy that skips its only row."""
-        skip = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        before serving: launches of each prepared copy that skip their only row. Everything
+        runs on the evict stream, the skip rows made there too: made on the caller's stream
+        they could be read before they are written (a live cache: rows written)."""
         with torch.cuda.stream(self._evict_stream):
             for prepared in (self._gather, self._scatter_all, *self._scatter_layer):
-                prepared.run(skip, skip, None)
+                prepared.warm_up()
         self._evict_stream.synchronize()
 
     # -- public ---------------------------------------------------------------------------
@@ -187,7 +189,7 @@ class KVMover:
             gathered = None
             try:
                 t0 = time.perf_counter()
-                gathered = self._run_gather(piece, slots, call.ordered if first == 0 else None)
+                gathered = self._run_gather(piece, slots, call.ordered)  # every piece waits
                 gather_s = time.perf_counter() - t0
                 future = self._submit(self._put_job, piece, slots, gathered, gather_s)
             except BaseException:
@@ -307,7 +309,7 @@ class KVMover:
                 self._evict_stream.wait_event(ordered)
             copy_pages(self._gather, piece.pages, slots, None)
             piece.fetch_bad()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a worker sleeps on it, never spins
             event.record(self._evict_stream)
         return event
 
@@ -394,7 +396,7 @@ class KVMover:
                 try:
                     result, event = self._get_piece(
                         call.piece(first, last), slots, layerwise and last == n, progress,
-                        call.ordered if first == 0 else None)
+                        call.ordered)  # every piece: the first may scatter nothing
                 finally:
                     self.staging.free(slots)
                 results.append(result)
@@ -444,7 +446,7 @@ class KVMover:
             if device_bad or not ok.all():  # the others' pages become -1 (skipped)
                 mask = torch.from_numpy(ok)
                 if pages.is_cuda:
-                    mask = mask.to(pages.device, non_blocking=True)
+                    mask = to_device(mask, pages.device)  # no wait for the stream
                 if device_bad:
                     piece.fetch_bad()
                     mask = mask & ~piece.bad
@@ -454,12 +456,12 @@ class KVMover:
             for prepared in (self._scatter_layer if layerwise else (self._scatter_all,)):
                 run_pages(prepared, plan, None)
                 if stream is not None:
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(blocking=True)
                     event.record(stream)
                 if layerwise:
                     progress.layer_done(event)
-        if stream is not None:
-            stream.synchronize()  # the slots are freed once this returns
+        if event is not None:
+            event.synchronize()  # the slots are freed once this returns (a sleep, no spin)
         return event
 
     def _verify(self, slots: torch.Tensor, valid: np.ndarray, statuses: list[Status],

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmove.errors import KVMoveError
 from kvmove.status import Status
 
 
@@ -105,6 +106,12 @@ class LayerProgress:
             if layer is not None and layer < len(self._events):
                 return True, self._events[layer]
             return True, self._all_event if self._done >= want else None
+
+    def layer_in_place(self, layer: int | None) -> bool:
+        """Whether ``layer`` (``None``: all) was reported done (enqueued on CUDA, copied on
+        the CPU); False after a ``finish()`` that came first (the job failed)."""
+        with self._cond:
+            return self._done >= (self.num_layers if layer is None else layer + 1)
 
     def reached(self, layer: int | None) -> bool:
         with self._cond:
@@ -205,6 +212,13 @@ class Transfer:
         reached, event = self.progress.wait(layer, timeout)
         if not reached:
             raise TimeoutError(f"layer {layer} of the {self.kind} is not in the KV cache yet")
+        if not self.progress.layer_in_place(layer):
+            # The background job ended without placing this layer: it raised. It wakes the
+            # waiters (in its ``finally``) before its future holds the exception, so wait
+            # for the future here and raise what the job raised: never return as if the
+            # layer were in the KV cache.
+            self.result(timeout)
+            raise KVMoveError(f"the {self.kind} ended before layer {layer} was scattered")
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         for _, piece in self._pieces:

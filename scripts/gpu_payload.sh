@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# What scripts/gpu_check.sh needs on a GPU machine that cannot download anything (for
-# example an H200 with Python 3.12 and torch with CUDA 13): Mooncake's CUDA wheel for that
-# Python in .whl/, and libibverbs1 (which Mooncake loads) with its libnl libraries in .deb/.
-# Where that machine's Python already has pytest (with pytest-timeout and pytest-xdist),
-# hypothesis, rich, matplotlib, setuptools and wheel, carrying other versions would shadow
-# them beside its own pytest plugins, so they are not carried. Run it on a machine with
-# network, copy both folders (git ignores them) into the checkout on the GPU machine, then:
+# What scripts/gpu_check.sh may need carried to a GPU machine that cannot download anything:
+# the copy engine's binding, cuda-bindings (and cuda-pathfinder, which it loads the driver
+# through), for that machine's Python and for the CUDA major of ITS torch (cuda-bindings 12.x
+# for a torch built for CUDA 12, 13.x for CUDA 13: a binding of the other major is refused by
+# the preflight). Nothing else: pinned staging needs no binding, the GPU tests use an
+# in-memory store (no Mooncake wheel, no libibverbs), and the machine's Python must bring
+# torch, Triton and pytest. A machine whose Python has cuda-bindings of the right major (the
+# H200 image here: torch 2.11+cu130 with cuda-bindings) needs no payload at all.
 #
-#   bash scripts/gpu_payload.sh                  # about 50 MB
-#   bash scripts/gpu_check.sh OUTDIR             # on the GPU machine
+#   CUDA_MAJOR=13 bash scripts/gpu_payload.sh    # on a machine with network; CUDA_MAJOR is
+#                                                # required: the GPU machine's torch.version.cuda
+#   bash scripts/gpu_check.sh                    # on the GPU machine, with .whl/ copied there
 #
-# PYTHON_VERSION (default 3.12) and MOONCAKE_WHEEL (default mooncake-transfer-engine-cuda13)
-# pick another Python or CUDA major.
+# PYTHON_VERSION (default 3.12) picks another Python. WITH_MOONCAKE=1 adds the Mooncake wheel
+# of that CUDA major (mooncake-transfer-engine for 12, -cuda13 for 13), for running the core
+# suite's store tests there as well (they also need libibverbs1: apt-get download it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+major=${CUDA_MAJOR:?set CUDA_MAJOR to the CUDA major of the GPU machine torch (12 or 13)}
+case "$major" in
+  12) mooncake=mooncake-transfer-engine==0.3.13.post1 ;;
+  13) mooncake=mooncake-transfer-engine-cuda13 ;;
+  *) echo "CUDA_MAJOR must be 12 or 13, got $major" >&2; exit 2 ;;
+esac
 python_version=${PYTHON_VERSION:-3.12}
-wheel=${MOONCAKE_WHEEL:-mooncake-transfer-engine-cuda13}
-rm -rf .whl .deb
-mkdir -p .whl .deb
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .whl "$wheel"
-(cd .deb && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200)
-du -sh .whl .deb
-ls .whl .deb
+rm -rf .whl
+mkdir -p .whl
+get() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
+}
+get "cuda-bindings>=$major,<$((major + 1))" cuda-pathfinder
+if [ "${WITH_MOONCAKE:-0}" = 1 ]; then get "$mooncake"; fi
+du -sh .whl
+ls .whl

@@ -44,7 +44,8 @@ fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check)
 SETUP_LOG=.venv/setup.log  # pip's output (the terminal gets one line a step)
 
-# The extra that fits this machine: a CUDA 13 / CUDA 12 driver, or none.
+# The extra that fits this machine: a CUDA 13 / CUDA 12 driver, or none (on a GPU the final
+# choice follows the CUDA major of the torch installed below).
 extra=cpu
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   cuda=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n1)
@@ -64,6 +65,13 @@ if [ "$extra" = cpu ]; then
 else
   say "installing torch (CUDA build, for a ${extra} driver)"
   quietly "${PIP[@]}" torch
+  # The CUDA wheels (Mooncake's, cuda-bindings) follow torch's CUDA major, which the driver
+  # runs (it runs its own major and older ones): one runtime major in the process.
+  major=$(.venv/bin/python -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+  case "$major" in
+    12|13) extra=cuda$major ;;
+    *) die "the installed torch is not a CUDA 12 or 13 build (torch.version.cuda: '$major')" ;;
+  esac
 fi
 say "installing kvmove[$extra,test] (editable)"
 quietly "${PIP[@]}" -e ".[$extra,test]"

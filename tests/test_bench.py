@@ -135,6 +135,8 @@ def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "needs a CUDA GPU machine" in done.stdout
     assert "needs a CUDA GPU machine" in (out / "gpu_check.log").read_text()
+    assert (out / "verdict.txt").read_text().startswith("GPU CHECK: FAIL - ")
+    assert done.stdout.strip().splitlines()[-1].startswith("GPU CHECK: FAIL - ")
 
 
 @pytest.mark.store

@@ -1,6 +1,7 @@
 """``kvmove doctor``: what a user needs to know before filing a bug.
 
-It reports the GPU and driver, torch, Triton and Mooncake (versions and flavours),
+It reports the GPU and driver, torch, Triton, the CUDA binding of the copy engine
+(cuda-bindings, of torch's CUDA major), Mooncake (versions and flavours),
 ``libibverbs``, the memlock limit for pinned memory, whether a tuned kernel table exists for
 this GPU, and whether the master named by ``MOONCAKE_*`` (or ``--master``) answers. It
 exits 1 when something blocks use, naming the fix; 0 otherwise (notes are not problems).
@@ -37,6 +38,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "MOONCAKE_MASTER, if set)")
     parser.add_argument("--timeout", type=float, default=3.0,
                         help="seconds to wait for the master's TCP port (default 3)")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="what scripts/gpu_check.sh needs: the copy engine's binding is "
+                             "required; Mooncake and the master are not checked")
     return parser
 
 
@@ -91,6 +95,72 @@ def check_triton(gpu_name: str | None) -> list[Finding]:
         level = "problem" if gpu_name else "note"
         return [Finding("Triton", f"not importable: {e}", level, "pip install triton")]
     return [Finding("Triton", f"{triton.__version__}")]
+
+
+def check_cuda_bindings(gpu_name: str | None, *, required: bool = False) -> list[Finding]:
+    """cuda-bindings, which the copy engine needs (two-hop path, batched copies; pinned
+    staging and the direct kernel need no binding). Missing on a GPU machine it is a note,
+    or a problem with ``required`` (``scripts/gpu_check.sh``: the check tests the copy
+    engine). Where torch sees the GPU, one small copy through it into pinned memory proves
+    it works with this driver (a binding of another CUDA major than torch's may)."""
+    if gpu_name is None:
+        return [Finding("cuda-bindings", "no GPU: not used", "note")]
+    try:
+        import torch
+    except ImportError:
+        return []
+    major = (torch.version.cuda or "").split(".")[0]
+    fix = (f"pip install 'kvmove[cuda{major}]' (or 'cuda-bindings>={major},<{int(major) + 1}')"
+           if major else "install a CUDA build of torch first")
+    version = _version("cuda-bindings")
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except Exception as e:  # ImportError, or a library that does not load
+        text = (f"not importable ({e}): the copy engine (two-hop path, batched copies) "
+                "cannot run; pinned staging and the direct kernel need no binding")
+        return [Finding("cuda-bindings", text, "problem" if required else "note", fix)]
+    found = [Finding("cuda-bindings", f"{version} (torch's CUDA: {torch.version.cuda})")]
+    if version and major and version.split(".")[0] != major:
+        found.append(Finding("cuda-bindings", f"{version} is for CUDA {version.split('.')[0]}, "
+                             f"torch is built for CUDA {major}: it works only where the "
+                             "driver supports both (the copy below tells)", "note", fix))
+    if torch.cuda.is_available():
+        found += _copy_engine_probe(fix)
+    return found
+
+
+def _copy_engine_probe(fix: str) -> list[Finding]:
+    """Pin 64 KiB as the staging is pinned, copy 256 bytes into it through the copy engine at
+    its device address, and compare."""
+    import torch
+
+    from kvmove.memory import cuda_api
+    from kvmove.memory.host_memory import HostMemory
+
+    try:
+        memory = HostMemory(1 << 16, pin=True)
+        try:
+            src = torch.arange(256, dtype=torch.int64, device="cuda").to(torch.uint8)
+            torch.cuda.synchronize()
+            cuda_api.memcpy_async(memory.device_address + 64, src.data_ptr(), 256,
+                                  torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            right = torch.equal(memory.tensor[64:320], src.cpu())
+            uva = memory.device_address == memory.address
+        finally:
+            memory.close()
+    except Exception as e:
+        return [Finding("copy engine", f"a copy into pinned memory failed: {e}", "problem", fix)]
+    if not right:
+        return [Finding("copy engine", "a copy into pinned memory wrote wrong bytes", "problem",
+                        "report this: the device address of pinned memory is wrong here")]
+    batch = cuda_api.has_memcpy_batch()
+    return [Finding("copy engine", "a copy into pinned memory is right ("
+                    + ("device address = host address (UVA)" if uva else
+                       "device address from cudaHostGetDevicePointer") + "); "
+                    + ("cuMemcpyBatchAsync available" if batch
+                       else "no cuMemcpyBatchAsync (driver < 12.8): one copy per span"),
+                    "ok" if batch else "note")]
 
 
 def check_mooncake() -> list[Finding]:
@@ -186,8 +256,12 @@ def check_master(address: str | None, timeout: float) -> list[Finding]:
 
 def collect(args) -> list[Finding]:
     gpu, gpu_name = check_gpu()
-    found = gpu + check_torch(gpu_name) + check_triton(gpu_name) + check_ibverbs()
-    found += check_mooncake() + check_memlock(gpu_name) + check_tuned(gpu_name)
+    found = gpu + check_torch(gpu_name) + check_triton(gpu_name)
+    found += check_cuda_bindings(gpu_name, required=args.gpu_check)
+    if args.gpu_check:  # the GPU tests use an in-memory store: no Mooncake needed
+        return found + check_memlock(gpu_name)
+    found += check_ibverbs() + check_mooncake() + check_memlock(gpu_name)
+    found += check_tuned(gpu_name)
     found += check_master(args.master, args.timeout)
     return found
 

@@ -21,7 +21,12 @@ _WORD_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
 
 
 # Per-call scalars are not specialised on: a new batch size never compiles a new kernel.
-@triton.jit(do_not_specialize=["n", "num_row_blocks", "num_items"])
+# Nor are the per-call pointers (row indices, error counter) on their 16-byte alignment: a
+# slice of an index tensor at an odd offset (a piece of a larger call) would otherwise
+# compile a kernel while serving that the warm-up never made. Their loads are a few bytes
+# per row; the tables and the rows themselves keep their alignment hints.
+@triton.jit(do_not_specialize=["n", "num_row_blocks", "num_items", "src_rows", "dst_rows",
+                               "errors"])
 def _copy_rows_kernel(
     src_table,  # int64 [L]: device address of each selected layer of the source
     dst_table,  # int64 [L]: the same for the destination

@@ -3,18 +3,28 @@ bindings (no hand-declared prototypes, no library loaded by name):
 
 - host memory registration: ``cudaHostRegister`` / ``cudaHostUnregister`` from
   ``torch.cuda.cudart()``, i.e. in torch's own CUDA runtime;
-- the device address of registered memory, ``cudaMemcpyAsync`` and ``cudaMemcpy2DAsync``:
-  ``cupy.cuda.runtime`` (package ``cupy-cuda12x`` / ``cupy-cuda13x``, the ``cuda12`` /
-  ``cuda13`` extras);
-- ``cuMemcpyBatchAsync`` (CUDA >= 12.8): ``cuda.bindings.driver`` (package
-  ``cuda-bindings`` of the same CUDA major, in the same extras). Its 12.x form returns the
-  index of a failing copy, the 13.x form does not; both are handled here.
+- the device address of registered (mapped) host memory: needs no binding. On a 64-bit
+  system with unified addressing (every system CUDA 12 and 13 run on) the device address of
+  memory registered with ``cudaHostRegisterMapped`` is its host address wherever every
+  visible device reports ``cudaDevAttrCanUseHostPointerForRegisteredMem`` (the CUDA
+  runtime's documentation of ``cudaHostGetDevicePointer``). torch's ``cudart()`` exposes no
+  ``cudaHostGetDevicePointer`` (only ``cudaHostRegister``/``Unregister``, stream creation,
+  ``cudaMemGetInfo``, the profiler), so where ``cuda-bindings`` is installed its
+  ``cudaHostGetDevicePointer`` is asked (it answers for the system it runs on), and
+  elsewhere the host address is used. Pinned staging and the direct kernel therefore need
+  torch and Triton only: an engine's environment without ``cuda-bindings`` or cupy runs them;
+- the copy engine (``cudaMemcpyAsync``, ``cudaMemcpy2DAsync`` and, CUDA >= 12.8,
+  ``cuMemcpyBatchAsync``): ``cuda.bindings`` (package ``cuda-bindings`` of the CUDA major
+  torch was built for: the ``cuda12`` / ``cuda13`` extras). Its 12.x batched call returns
+  the index of a failing copy, the 13.x one does not; both are handled here. The two-hop
+  path and the copy-engine spans need it; :func:`copy_engine_problem` says why they cannot
+  run (``backend="auto"`` then keeps to the direct kernel).
 
 Every binding is imported on first use, so a machine without CUDA (or without these
-packages) imports kvmove. A missing package on a CUDA machine is a :class:`CudaApiError`
-naming the extra to install; a missing ``cuda-bindings`` only turns the batched copy off.
-Addresses are plain ints (device addresses: UVA addresses of registered host memory);
-streams are raw ``cudaStream_t`` values (``torch.cuda.Stream.cuda_stream``).
+packages) imports kvmove. A copy-engine call without ``cuda-bindings`` is a
+:class:`CudaApiError` naming the extra to install. Addresses are plain ints (device
+addresses: UVA addresses of registered host memory); streams are raw ``cudaStream_t``
+values (``torch.cuda.Stream.cuda_stream``).
 """
 
 from __future__ import annotations
@@ -53,35 +63,52 @@ class BatchRefused(CudaApiError):
 
 
 def _extra() -> str:
-    major = (torch.version.cuda or "12").split(".")[0]
-    return f"kvmove[cuda{major}]"
+    return f"kvmove[cuda{_major()}]"
 
 
 @functools.cache
-def _runtime():
+def _bindings():
+    """``(cuda.bindings.runtime, cuda.bindings.driver)``, or None when ``cuda-bindings`` is
+    not installed (or does not load)."""
     try:
-        from cupy.cuda import runtime
+        from cuda.bindings import driver, runtime
     except ImportError as e:
-        raise CudaApiError(
-            f"CUDA copies and pinned staging need cupy (install {_extra()}): {e}") from None
-    return runtime
+        log.info("cuda-bindings is not installed (%s): no copy-engine copies; device "
+                 "addresses of pinned memory by UVA", e)
+        return None
+    return runtime, driver
 
 
-@functools.cache
+def copy_engine_problem() -> str | None:
+    """None where the copy-engine calls can be made here; else why not (the fix named)."""
+    if _bindings() is None:
+        return (f"the copy engine needs cuda-bindings for CUDA {_major()} (install "
+                f"{_extra()}, or cuda-bindings>={_major()},<{int(_major()) + 1})")
+    return None
+
+
+def _major() -> str:
+    return (torch.version.cuda or "12").split(".")[0]
+
+
+def _runtime():
+    found = _bindings()
+    if found is None:
+        raise CudaApiError(copy_engine_problem())
+    return found[0]
+
+
 def _driver():
     """``cuda.bindings.driver``, or None when the package is not installed."""
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:
-        log.info("cuda-bindings is not installed (%s); no batched copies", e)
-        return None
-    return driver
+    found = _bindings()
+    return None if found is None else found[1]
 
 
 def _check(what: str, err) -> None:
     code = int(err)
     if code != 0:
-        raise CudaApiError(f"{what} failed: CUDA error {code}")
+        name = getattr(err, "name", "")
+        raise CudaApiError(f"{what} failed: CUDA error {code}" + (f" ({name})" if name else ""))
 
 
 # -- host memory ------------------------------------------------------------------------------
@@ -104,32 +131,30 @@ def host_unregister(address: int) -> None:
 
 
 def device_pointer(address: int) -> int:
-    """The device address of registered host memory at ``address``."""
-    rt = _runtime()
-    try:
-        return int(rt.pointerGetAttributes(address).devicePointer)
-    except rt.CUDARuntimeError as e:
-        raise CudaApiError(f"cudaPointerGetAttributes({address:#x}) failed: {e}") from None
+    """The device address of registered, mapped host memory at ``address``: what
+    ``cudaHostGetDevicePointer`` answers where ``cuda-bindings`` is installed, else the host
+    address itself (unified addressing; see the module's docstring)."""
+    found = _bindings()
+    if found is None:
+        return address
+    err, pointer = found[0].cudaHostGetDevicePointer(address, 0)
+    _check(f"cudaHostGetDevicePointer({address:#x})", err)
+    return int(pointer)
 
 
 # -- copies -------------------------------------------------------------------------------------
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     rt = _runtime()
-    try:
-        rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, stream)
-    except rt.CUDARuntimeError as e:
-        raise CudaApiError(f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} B) failed: "
-                           f"{e}") from None
+    (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind(MEMCPY_DEFAULT), stream)
+    _check(f"cudaMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} B)", err)
 
 
 def memcpy_2d_async(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
                     height: int, stream: int) -> None:
     rt = _runtime()
-    try:
-        rt.memcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
-    except rt.CUDARuntimeError as e:
-        raise CudaApiError(f"cudaMemcpy2DAsync({dst:#x} <- {src:#x}, {width} B x {height}) "
-                           f"failed: {e}") from None
+    (err,) = rt.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                                  rt.cudaMemcpyKind(MEMCPY_DEFAULT), stream)
+    _check(f"cudaMemcpy2DAsync({dst:#x} <- {src:#x}, {width} B x {height})", err)
 
 
 @dataclass(frozen=True)
@@ -173,7 +198,8 @@ def memcpy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: 
     if batch is None:
         raise CudaApiError("cuMemcpyBatchAsync is not available here")
     drv = batch.driver
-    _runtime().setDevice(device)  # the device's primary context, current on this thread
+    (err,) = _runtime().cudaSetDevice(device)  # its primary context, current on this thread
+    _check(f"cudaSetDevice({device})", err)
     attrs = drv.CUmemcpyAttributes()
     attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     for field, (kind, ident) in (("srcLocHint", src_location), ("dstLocHint", dst_location)):

@@ -63,8 +63,16 @@ class DeviceRing:
             row_shape=(rb,),
             device_addresses=tuple(v.data_ptr() for v in views),
         )
+        # Ring row numbers 0 .. capacity - 1 where the copies read them (made once: a call
+        # uploads nothing for them). A blocking upload, not a kernel on the current stream:
+        # the copies read them on other streams, which must not overtake their writing.
+        self._numbers = torch.arange(capacity, dtype=torch.int64).to(like.device)
         self._lock = threading.Lock()
         self._last_use = None  # torch.cuda.Event recorded after the previous use
+
+    def row_numbers(self, k: int) -> torch.Tensor:
+        """Ring rows ``0 .. k - 1`` (int64, on the ring's device; a view, nothing made)."""
+        return self._numbers[:k]
 
     @contextlib.contextmanager
     def use(self):
@@ -77,10 +85,11 @@ class DeviceRing:
                     stream.wait_event(self._last_use)
             yield self
             if cuda:
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # wait_idle sleeps on it, never spins
                 event.record(stream)
                 self._last_use = event
                 self.tensor.record_stream(stream)
+                self._numbers.record_stream(stream)
 
     def wait_idle(self) -> None:
         """Block until the device has finished the last use of the ring."""

@@ -24,6 +24,7 @@ from kvmove.kernels.configs import (
     default_config,
     gpu_slug,
 )
+from kvmove.memory import cuda_api
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +160,23 @@ def config_for(device: torch.device, direction: str, row_bytes: int,
 def preferred_backend(device: torch.device, direction: str, row_bytes: int,
                       page_tokens: int) -> str:
     """``"two_hop"`` where the tuner recorded that path as faster for this shape on this
-    GPU, else ``"triton"`` (the direct kernel)."""
+    GPU and the copy engine can be driven here (:func:`kvmove.memory.cuda_api.
+    copy_engine_problem`), else ``"triton"`` (the direct kernel)."""
     name = gpu_name(device)
     user_table(name)
-    return "two_hop" if pick_path(direction, row_bytes, page_tokens, name) == "two_hop" \
-        else "triton"
+    if pick_path(direction, row_bytes, page_tokens, name) != "two_hop":
+        return "triton"
+    problem = cuda_api.copy_engine_problem()
+    if problem is not None:
+        _warn_once(f"the tuned table prefers the two-hop path for {direction} of "
+                   f"{row_bytes}-byte rows, but {problem}: the direct kernel copies instead")
+        return "triton"
+    return "two_hop"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 def reset() -> None:
@@ -172,3 +185,4 @@ def reset() -> None:
         _user_tables.clear()
         _registered.clear()
     _device_name.cache_clear()
+    _warn_once.cache_clear()

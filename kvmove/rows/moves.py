@@ -21,6 +21,7 @@ from kvmove.checks import (
 from kvmove.memory.cache import KVCache
 from kvmove.memory.row_pool import RowPool
 from kvmove.memory.staging import StagingBuffer
+from kvmove.rows.host_indices import to_device
 from kvmove.rows.plan import RowPlan, plan_whole_pages
 from kvmove.rows.prepared import PreparedCopy, kernel_device, prepared_copy
 from kvmove.rows.row_numbers import page_rows
@@ -57,14 +58,17 @@ def error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Te
 
 class PagePlan:
     """What a gather or scatter of pages copies, worked out once: the row indices on the
-    side that runs the copy, and the torch backend's plan where it has one. One plan serves
-    every layer set of the same two pools (a layer-wise prefetch plans once)."""
+    side that runs the copy, the same rows on the host where they came from there (the
+    two-hop path reads them there), and the torch backend's plan where it has one. One plan
+    serves every layer set of the same two pools (a layer-wise prefetch plans once)."""
 
-    __slots__ = ("dst_rows", "plan", "src_rows")
+    __slots__ = ("dst_rows", "host_rows", "plan", "src_rows")
 
     def __init__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-                 plan: RowPlan | None = None):
+                 plan: RowPlan | None = None,
+                 host_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.src_rows, self.dst_rows, self.plan = src_rows, dst_rows, plan
+        self.host_rows = host_rows
 
 
 def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor, *,
@@ -88,16 +92,21 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
     if check:
         check_pages(token_pages, slots, kv_rows, num_slots, gathering=gathering)
     kv, staged = token_pages.reshape(-1), page_rows(slots, prepared.page_tokens)
-    if "triton" in prepared.backends:  # the kernel reads them on its device: move them once
-        kv = kv.to(prepared.device, non_blocking=True)
-        staged = staged.to(prepared.device, non_blocking=True)
-    return PagePlan(kv, staged) if gathering else PagePlan(staged, kv)
+    host = None
+    if kv.device.type == staged.device.type == "cpu":
+        host = (kv, staged) if gathering else (staged, kv)
+    if prepared.device.type == "cuda" and "triton" in prepared.backends:
+        # The kernel reads them on its device: moved once, without waiting for the device.
+        kv, staged = to_device(kv, prepared.device), to_device(staged, prepared.device)
+    if gathering:
+        return PagePlan(kv, staged, host_rows=host)
+    return PagePlan(staged, kv, host_rows=host)
 
 
 def run_pages(prepared: PreparedCopy, plan: PagePlan, errors: torch.Tensor | None) -> None:
     """Run a planned gather or scatter (unchecked: out-of-range rows are skipped and counted
     in ``errors``)."""
-    prepared.run(plan.src_rows, plan.dst_rows, errors, plan=plan.plan)
+    prepared.run(plan.src_rows, plan.dst_rows, errors, plan=plan.plan, host_rows=plan.host_rows)
 
 
 def copy_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor,

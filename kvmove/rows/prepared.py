@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kvmove.memory.row_pool import BufferRows, RowPool
+from kvmove.rows import two_hop
+from kvmove.rows.host_indices import to_device
 from kvmove.rows.launch_config import preferred_backend
 from kvmove.rows.plan import RowPlan, plan_rows
 from kvmove.rows.torch_backend import copy_rows_torch
 from kvmove.rows.triton_launch import KernelArgs, kernel_args, launch
-from kvmove.rows.two_hop import copy_rows_two_hop
 
 BACKENDS = ("auto", "triton", "torch", "two_hop")
 PREPARED_KEPT = 64  # per row pool: prepared copies kept (least recently used dropped)
@@ -75,7 +76,9 @@ class BufferCopy:
     dst: BufferRows
     layers: tuple[int, ...]
     backend: str  # "triton", "torch" or "two_hop"
-    kernel: KernelArgs | None = None  # backend "triton" only
+    # The direct kernel's arguments: backend "triton", and on CUDA "two_hop" too (a call
+    # whose rows live on the device runs there: the copy engine needs them on the host).
+    kernel: KernelArgs | None = None
 
 
 class PreparedCopy:
@@ -98,7 +101,7 @@ class PreparedCopy:
             kind = resolve_backend(backend, self.device, direction=direction,
                                    row_bytes=s.row_bytes, page_tokens=page_tokens)
             kernel = None
-            if kind == "triton":
+            if kind == "triton" or (kind == "two_hop" and self.device.type == "cuda"):
                 kernel = kernel_args(s, d, chosen[name], self.device, direction=direction,
                                      page_tokens=page_tokens)
             parts.append(BufferCopy(s, d, chosen[name], kind, kernel))
@@ -106,47 +109,72 @@ class PreparedCopy:
         self.backends = frozenset(p.backend for p in parts)
         self.src_rows_limit = next(iter(src.buffers.values())).num_rows
         self.dst_rows_limit = next(iter(dst.buffers.values())).num_rows
-        # On CUDA every launch runs on the device of the memory, whatever device is current.
-        self._guard = torch.cuda.device(self.device) if self.device.type == "cuda" else None
 
     @property
     def torch_only(self) -> bool:
         return self.backends <= {"torch"}
 
     def run(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-            errors: torch.Tensor | None, *, plan: RowPlan | None = None) -> None:
+            errors: torch.Tensor | None, *, plan: RowPlan | None = None,
+            host_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Copy ``src_rows[i] -> dst_rows[i]`` (int32/int64 ``[n]``, on the CPU or the
         copy's device; ``-1`` skips) in every part, without validation: out-of-range rows
         are skipped and added to ``errors`` (int32 ``[1]`` on the copy's device, or None).
         ``plan``: the torch backend's plan of these rows, where the caller made one (then
-        its rows are what the torch parts copy). Runs on the current stream of the copy's
-        device."""
+        its rows are what the torch parts copy). ``host_rows``: the same rows on the host,
+        where the caller moved ``src_rows``/``dst_rows`` to the device already (the two-hop
+        parts read them there). Runs on the current stream of the copy's device and never
+        waits for it: host rows reach the device through a private pinned snapshot, and a
+        two-hop part given only device rows runs the direct kernel."""
         if plan is None and src_rows.numel() == 0:
             return
-        if self._guard is None:
-            self._run(src_rows, dst_rows, errors, plan)
-        else:
-            with self._guard:
-                self._run(src_rows, dst_rows, errors, plan)
+        if self.device.type != "cuda":
+            self._run(src_rows, dst_rows, errors, plan, host_rows)
+            return
+        # A guard of its own per call: torch.cuda.device keeps the device it replaced on
+        # the guard object, so one guard shared by threads restores the wrong device.
+        with torch.cuda.device(self.device):
+            self._run(src_rows, dst_rows, errors, plan, host_rows)
 
-    def _run(self, src_rows, dst_rows, errors, plan) -> None:
+    def _run(self, src_rows, dst_rows, errors, plan, host_rows) -> None:
+        if host_rows is None and src_rows.device.type == dst_rows.device.type == "cpu":
+            host_rows = (src_rows, dst_rows)
         on_device = None
         counter = errors  # count bad rows in the first buffer's copy only
         for part in self.parts:
-            if part.backend == "triton":
+            direct = part.backend == "triton" or (part.backend == "two_hop"
+                                                  and host_rows is None)
+            if direct:
                 if on_device is None:
-                    on_device = (src_rows.to(self.device, non_blocking=True).contiguous(),
-                                 dst_rows.to(self.device, non_blocking=True).contiguous())
+                    on_device = (to_device(src_rows, self.device).contiguous(),
+                                 to_device(dst_rows, self.device).contiguous())
                 launch(part.kernel, *on_device, counter)
             elif part.backend == "two_hop":
-                copy_rows_two_hop(part.src, part.dst, list(part.layers), src_rows, dst_rows,
-                                  counter, direction=self.direction, page_tokens=self.page_tokens)
+                two_hop.copy_rows_two_hop(part.src, part.dst, list(part.layers), *host_rows,
+                                          counter, direction=self.direction,
+                                          page_tokens=self.page_tokens)
             else:
                 if plan is None:
                     plan = plan_rows(src_rows, dst_rows, part.src.num_rows, part.dst.num_rows,
                                      self.page_tokens)
                 copy_rows_torch(part.src, part.dst, part.layers, None, None, counter, plan=plan)
             counter = None
+
+    def warm_up(self) -> None:
+        """Before serving (CUDA; nothing elsewhere): compile or load every kernel this copy
+        may launch, with ``errors=None``, and make its tables and rings, by launches whose
+        only row is skipped, on the current stream of the copy's device (where the skip
+        rows are made too, so the launches read them in order). Writes nothing."""
+        if self.device.type != "cuda":
+            return
+        with torch.cuda.device(self.device):
+            skip = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+            for part in self.parts:
+                if part.kernel is not None:
+                    launch(part.kernel, skip, skip, None)
+                if part.backend == "two_hop":
+                    two_hop.warm_up(part.src, part.dst, part.layers,
+                                    direction=self.direction, page_tokens=self.page_tokens)
 
 
 _cache_lock = threading.Lock()

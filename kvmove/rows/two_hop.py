@@ -13,6 +13,13 @@ a ring beside the KV buffer (:mod:`kvmove.rows.device_ring`):
 The SMs are busy only for the device-side copy. With layer-first staging and contiguous
 slots each layer is a single span, so the copy engine sees a few large copies.
 
+The copy engine needs the host rows as addresses, so this path takes its row numbers on the
+host and never reads a device tensor there (that would wait for the device in the decode
+loop): :class:`~kvmove.rows.prepared.PreparedCopy` sends a call whose rows live on the
+device to the direct kernel instead. The device side gets its rows through
+:func:`~kvmove.rows.host_indices.to_device` (no host sync), the ring's own row numbers from a
+table made with the ring.
+
 The code is device-agnostic: on a machine without a GPU the ring is host memory, the
 device-side copy is the torch backend (or the Triton interpreter) and a span is a
 ``memmove``; the tests check its bytes against the torch backend there.
@@ -23,9 +30,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvmove.memory import cuda_api
 from kvmove.memory.row_pool import BufferRows
-from kvmove.rows.copy_engine import copy_span_grid
+from kvmove.rows.copy_engine import copy_span_grid, cuda_copier
 from kvmove.rows.device_ring import ring_for
+from kvmove.rows.host_indices import to_device
 from kvmove.rows.torch_backend import copy_rows_torch
 from kvmove.rows.triton_launch import kernel_args, launch
 
@@ -66,7 +75,7 @@ def _device_copy(src, dst, layers, src_rows, dst_rows, *, inner, direction, page
         device = src.device if src.device.type != "cpu" else dst.device
         args = kernel_args(src, dst, tuple(layers), device, direction=direction,
                            page_tokens=page_tokens)
-        launch(args, src_rows.to(device), dst_rows.to(device), None)
+        launch(args, to_device(src_rows, device), to_device(dst_rows, device), None)
     elif inner == "torch":
         copy_rows_torch(src, dst, layers, src_rows, dst_rows, None)
     else:
@@ -89,13 +98,19 @@ def copy_rows_two_hop(
     the ring of the KV side (``src`` for a gather, ``dst`` for a scatter). Same contract as
     the other backends: ``-1`` skips, out-of-range rows are skipped and added to ``errors``.
 
-    ``inner`` is the device-side copy: ``"triton"`` (default on CUDA) or ``"torch"``
-    (default elsewhere).
+    ``src_rows`` and ``dst_rows`` must be host tensors: the spans are worked out on the host,
+    and reading device rows there would wait for the device (a ``ValueError`` says so
+    before anything is read). ``inner`` is the device-side copy: ``"triton"`` (default on
+    CUDA) or ``"torch"`` (default elsewhere).
     """
     if direction not in ("gather", "scatter"):
         raise ValueError(f"direction must be 'gather' or 'scatter', got {direction!r}")
-    s = src_rows.to("cpu", torch.int64).reshape(-1)
-    d = dst_rows.to("cpu", torch.int64).reshape(-1)
+    for name, rows in (("src_rows", src_rows), ("dst_rows", dst_rows)):
+        if rows.device.type != "cpu":
+            raise ValueError(f"the two-hop path reads {name} on the host, got a tensor on "
+                             f"{rows.device} (device-resident rows go to the direct kernel)")
+    s = src_rows.to(torch.int64).reshape(-1)
+    d = dst_rows.to(torch.int64).reshape(-1)
     bad = (s < -1) | (s >= src.num_rows) | (d < -1) | (d >= dst.num_rows)
     if errors is not None and bool(bad.any()):
         errors += int(bad.sum())
@@ -115,7 +130,7 @@ def copy_rows_two_hop(
         for start in range(0, len(kv_rows), ring.capacity):
             k_rows = torch.from_numpy(kv_rows[start:start + ring.capacity])
             h_rows = host_rows[start:start + ring.capacity]
-            r_rows = torch.arange(len(k_rows), dtype=torch.int64)
+            r_rows = ring.row_numbers(len(k_rows))
             host_addr, ring_addr, sizes, host_pitch, ring_pitch, height = span_grid(
                 host, h_rows, ring.rows, layers)
             if gathering:
@@ -130,3 +145,28 @@ def copy_rows_two_hop(
                                src_on_device=host_on_device, dst_on_device=kv_on_device)
                 _device_copy(ring.rows, kv, layers, r_rows, k_rows, inner=inner,
                              direction=direction, page_tokens=page_tokens)
+
+
+def warm_up(src: BufferRows, dst: BufferRows, layers, *, direction: str,
+            page_tokens: int = 1) -> None:
+    """Before serving (CUDA): make the ring of the KV side, load the copy-engine bindings
+    (a :class:`~kvmove.memory.cuda_api.CudaApiError` names what is missing) and compile
+    the device-side copy with its tables, by a launch whose only row is skipped, on the
+    current stream. Writes nothing."""
+    gathering = direction == "gather"
+    kv = src if gathering else dst
+    if kv.device.type != "cuda" or not layers:
+        return
+    problem = cuda_api.copy_engine_problem()
+    if problem is not None:
+        raise cuda_api.CudaApiError(f"backend two_hop: {problem}")
+    cuda_copier().has_batch  # noqa: B018  (asks the driver once, now)
+    ring = ring_for(kv)
+    skip = torch.full((1,), -1, dtype=torch.int64, device=kv.device)
+    with ring.use():
+        if gathering:
+            _device_copy(kv, ring.rows, list(layers), skip, skip, inner="triton",
+                         direction=direction, page_tokens=page_tokens)
+        else:
+            _device_copy(ring.rows, kv, list(layers), skip, skip, inner="triton",
+                         direction=direction, page_tokens=page_tokens)

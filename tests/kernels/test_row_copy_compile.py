@@ -120,10 +120,31 @@ def specialisation(**scalars):
 def test_per_call_scalars_are_not_specialised():
     fn = jit_kernel()
     flagged = {p.name for p in fn.params if p.do_not_specialize}
-    assert flagged == {"n", "num_row_blocks", "num_items"}
+    assert flagged >= {"n", "num_row_blocks", "num_items"}
     base = specialisation()
     for value in (16, 17, 1 << 20):
         other = specialisation(n=value, num_row_blocks=value, num_items=value)
         assert other == base, f"a batch of {value} rows selects another kernel"
     # The check can tell: a specialised scalar (src_limit) keys 1 and 16 apart.
     assert specialisation(src_limit=1) != specialisation(src_limit=16)
+
+
+def test_index_slices_at_odd_offsets_select_no_new_kernel():
+    """A piece of a call is a slice of its index tensor; at an odd element offset its
+    pointer is 8- (int64) or 4-byte (int32) aligned, not 16. Triton keys a pointer's 16-byte
+    alignment unless told not to, so such a piece would compile a kernel while serving that
+    the mover's warm-up (16-byte aligned indices) never compiled (issue 19, item 8)."""
+    for dtype in (torch.int64, torch.int32):
+        rows = torch.zeros(64, dtype=dtype)
+        counter = torch.zeros(4, dtype=torch.int32)
+        base = specialisation(src_rows=rows, dst_rows=rows, errors=counter)
+        for offset in (1, 3):
+            piece = rows[offset:]
+            assert piece.data_ptr() % 16 != 0
+            other = specialisation(src_rows=piece, dst_rows=piece,
+                                   errors=counter[offset:])
+            assert other == base, f"an index slice at offset {offset} ({dtype}) selects " \
+                                  "another kernel"
+    # The check can tell: the (aligned-specialised) address table keys alignment apart.
+    table = torch.zeros(4, dtype=torch.int64)
+    assert specialisation(src_table=table[1:]) != specialisation(src_table=table)

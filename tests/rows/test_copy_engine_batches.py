@@ -127,29 +127,53 @@ def test_only_cuda_api_imports_the_bindings_and_only_when_called():
                 continue
             assert path.name == "cuda_api.py", f"{path} imports {binding}"
             assert node not in tree.body, f"{path} imports {binding} at import time"
-    code = "import sys, kvmove, kvmove.memory.cuda_api; print('cupy' in sys.modules)"
+    code = ("import sys, kvmove, kvmove.memory.cuda_api; "
+            "print('cupy' in sys.modules or 'cuda.bindings' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout.strip()
     assert out == "False"
 
 
-def test_a_missing_cupy_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
-    cuda_api._runtime.cache_clear()
-    try:
-        with pytest.raises(cuda_api.CudaApiError, match=r"kvmove\[cuda\d+\]"):
-            cuda_api.memcpy_async(1, 2, 3, 0)
-    finally:
-        cuda_api._runtime.cache_clear()
-
-
-def test_a_missing_cuda_bindings_only_turns_batching_off(monkeypatch):
+@pytest.fixture
+def without_cuda_bindings(monkeypatch):
+    """``import cuda.bindings`` fails (as on a machine without the package)."""
     monkeypatch.setitem(sys.modules, "cuda", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    for f in (cuda_api._driver, cuda_api._batch):
+    for f in (cuda_api._bindings, cuda_api._batch):
         f.cache_clear()
-    try:
-        assert not cuda_api.has_memcpy_batch()
-    finally:
-        for f in (cuda_api._driver, cuda_api._batch):
-            f.cache_clear()
+    yield
+    for f in (cuda_api._bindings, cuda_api._batch):
+        f.cache_clear()
+
+
+def test_without_cuda_bindings_a_copy_engine_call_is_a_clear_error(without_cuda_bindings):
+    with pytest.raises(cuda_api.CudaApiError, match=r"kvmove\[cuda\d+\]"):
+        cuda_api.memcpy_async(1, 2, 3, 0)
+    with pytest.raises(cuda_api.CudaApiError, match="cuda-bindings"):
+        cuda_api.memcpy_2d_async(1, 8, 2, 8, 4, 2, 0)
+    assert "cuda-bindings" in cuda_api.copy_engine_problem()
+    assert not cuda_api.has_memcpy_batch()
+
+
+def test_pinning_needs_no_binding_the_device_address_is_the_host_address(
+        without_cuda_bindings, monkeypatch):
+    """Unified addressing: without cuda-bindings (and without cupy) the device address of
+    registered mapped memory is its host address, and registering needs nothing but
+    torch's runtime (item 2 of issue 19: the first GPU run stopped on a missing cupy)."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert cuda_api.device_pointer(0x7F00_1234_5000) == 0x7F00_1234_5000
+
+
+def test_with_cuda_bindings_the_device_address_is_asked_of_the_runtime(monkeypatch):
+    asked = []
+
+    class Runtime:
+        @staticmethod
+        def cudaHostGetDevicePointer(address, flags):
+            asked.append((address, flags))
+            return 0, address + 0x1000  # a system where the two differ
+
+    monkeypatch.setattr(cuda_api, "_bindings", lambda: (Runtime, None))
+    assert cuda_api.device_pointer(0x5000) == 0x6000
+    assert asked == [(0x5000, 0)]
+    assert cuda_api.copy_engine_problem() is None

@@ -225,3 +225,18 @@ def test_two_hop_is_a_backend_and_auto_stays_torch_on_the_cpu():
         == "torch"
     with pytest.raises(ValueError, match="backend must be one of"):
         resolve_backend("copy_engine", torch.device("cpu"))
+
+
+def test_device_resident_rows_are_refused_before_anything_is_read():
+    """The two-hop path works out its spans on the host; reading device rows there waits for
+    the device (a host sync in the decode loop: issue 19, item 4). Device-resident rows go
+    to the direct kernel (:class:`PreparedCopy` routes them); given here they are refused
+    before any value is read. Meta tensors stand for device memory: they hold no values, so
+    reading one fails."""
+    kv = kvmove.KVCache({"kv": torch.zeros(2, 16, 8, dtype=torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=4)
+    src, dst = kv.row_pool.buffers["kv"], staging.row_pool.buffers["kv"]
+    on_device = torch.arange(4, device="meta")
+    for rows in ((on_device, torch.arange(4)), (torch.arange(4), on_device)):
+        with pytest.raises(ValueError, match=r"reads (src|dst)_rows on the host"):
+            copy_rows_two_hop(src, dst, [0, 1], *rows, None, direction="gather")

@@ -119,7 +119,12 @@ def test_a_failed_autotune_never_breaks_the_copy(monkeypatch, caplog):
 
 
 def test_auto_backend_follows_the_recorded_path(monkeypatch):
+    """What the GPU test of ``backend="auto"`` taking the recorded two-hop path rests on
+    (issue 19, item 1: that test spied on a name the copy path did not look up)."""
+    from kvmove.memory import cuda_api
+
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: GPU)
+    monkeypatch.setattr(cuda_api, "copy_engine_problem", lambda: None)
     write_json(launch_config.cache_path(GPU),
                table({}, {"gather/small/p64": "two_hop", "scatter/small/p64": "direct"}))
     cuda = torch.device("cuda", 0)
@@ -131,6 +136,26 @@ def test_auto_backend_follows_the_recorded_path(monkeypatch):
     assert resolve_backend("auto", cuda) == "triton"
     assert resolve_backend("triton", cuda, direction="gather", row_bytes=656,
                            page_tokens=64) == "triton"  # a forced backend stays forced
+
+
+def test_auto_keeps_to_the_direct_kernel_where_the_copy_engine_cannot_run(monkeypatch,
+                                                                         caplog):
+    """A tuned table may prefer the two-hop path, but without the copy engine's binding
+    (cuda-bindings) ``auto`` must not pick a path that fails at its first copy while
+    serving: it keeps to the direct kernel and says why, once."""
+    from kvmove.memory import cuda_api
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: GPU)
+    monkeypatch.setattr(cuda_api, "copy_engine_problem",
+                        lambda: "the copy engine needs cuda-bindings for CUDA 13")
+    write_json(launch_config.cache_path(GPU), table({}, {"gather/small/p64": "two_hop"}))
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert resolve_backend("auto", cuda, direction="gather", row_bytes=656,
+                                   page_tokens=64) == "triton"
+    said = [r for r in caplog.records if "cuda-bindings" in r.getMessage()]
+    assert len(said) == 1 and "direct kernel" in said[0].getMessage()
 
 
 def test_unreadable_cache_is_ignored_with_a_warning(caplog):
