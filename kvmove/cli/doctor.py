@@ -113,11 +113,12 @@ def check_cuda_bindings(gpu_name: str | None, *, required: bool = False) -> list
     fix = (f"pip install 'kvmove[cuda{major}]' (or 'cuda-bindings>={major},<{int(major) + 1}')"
            if major else "install a CUDA build of torch first")
     version = _version("cuda-bindings")
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except Exception as e:  # ImportError, or a library that does not load
-        text = (f"not importable ({e}): the copy engine (two-hop path, batched copies) "
-                "cannot run; pinned staging and the direct kernel need no binding")
+    from kvmove.memory import cuda_api  # the one module that touches the bindings
+
+    problem = cuda_api.copy_engine_problem()
+    if problem is not None:
+        text = (f"{problem}: the copy engine (two-hop path, batched copies) cannot run; "
+                "pinned staging and the direct kernel need no binding")
         return [Finding("cuda-bindings", text, "problem" if required else "note", fix)]
     found = [Finding("cuda-bindings", f"{version} (torch's CUDA: {torch.version.cuda})")]
     if version and major and version.split(".")[0] != major:

@@ -9,9 +9,19 @@ from __future__ import annotations
 import sys
 import types
 
+import pytest
 import torch
 
 from kvmove.cli import doctor
+from kvmove.memory import cuda_api
+
+
+@pytest.fixture(autouse=True)
+def fresh_bindings():
+    """The binding lookup is cached: each test (and what follows it) looks again."""
+    cuda_api._bindings.cache_clear()
+    yield
+    cuda_api._bindings.cache_clear()
 
 
 def test_a_missing_binding_is_a_note_or_a_problem_when_required(monkeypatch):
@@ -28,9 +38,11 @@ def test_a_missing_binding_is_a_note_or_a_problem_when_required(monkeypatch):
 def test_a_binding_of_another_cuda_major_is_a_note(monkeypatch):
     package = types.ModuleType("cuda.bindings")
     package.driver = types.ModuleType("cuda.bindings.driver")
+    package.runtime = types.ModuleType("cuda.bindings.runtime")
     monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
     monkeypatch.setitem(sys.modules, "cuda.bindings", package)
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", package.driver)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", package.runtime)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(doctor, "_version", lambda dist: "12.9.4")
     found = doctor.check_cuda_bindings("NVIDIA H200", required=True)
