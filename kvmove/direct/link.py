@@ -43,6 +43,9 @@ class PeerLink:
         self._broken = False
         self._closing = False
         self._finished = False
+        self.broken_at = 0.0  # time.monotonic() when a call failed
+        self.jobs_ok = 0  # jobs whose every call returned 0
+        self.failed_before = 0  # links to this peer that broke in a row before this one
         self.abandoned = False  # a call never returned in time: its thread is left to end
         self._thread = threading.Thread(target=self._serve, name=f"kvmove-send {peer}",
                                         daemon=True)
@@ -52,6 +55,12 @@ class PeerLink:
     def accepting(self) -> bool:
         with self._cond:
             return not (self._broken or self._closing)
+
+    @property
+    def finished(self) -> bool:
+        """The link's thread has ended: its engine is destroyed."""
+        with self._cond:
+            return self._finished
 
     def submit(self, job: SendJob) -> bool:
         """Queue ``job``; False (nothing queued) when the link is broken or closing."""
@@ -83,6 +92,7 @@ class PeerLink:
                 return  # it returned meanwhile
             job = self._call[1]
             self._broken = self.abandoned = True
+            self.broken_at = time.monotonic()
             queued = list(self._jobs)
             self._jobs.clear()
             self._cond.notify_all()
@@ -103,8 +113,11 @@ class PeerLink:
             if not self._run(job):
                 failed = job
                 break
+            self.jobs_ok += 1
             job.release()
         with self._cond:
+            if failed is not None and not self.broken_at:
+                self.broken_at = time.monotonic()
             self._broken = True
             queued = list(self._jobs)
             self._jobs.clear()

@@ -24,13 +24,15 @@ from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.moves import copy_pages
 from kvmove.rows.prepared import prepared_copy, resolve_backend
-from kvmove.status import STAGING_TIMEOUT, Status
+from kvmove.status import NOT_SENT, STAGING_TIMEOUT, Status
 from kvmove.transfer import Transfer, TransferResult
 from kvmove.tuning.autotune import tune_for_copies
 
 log = logging.getLogger(__name__)
 
 HANDLES_KEPT = 256  # parsed handles kept (least recently used dropped)
+RETRY_AFTER_S = 1.0  # a receiver whose link broke is tried again after this long, ...
+RETRY_AFTER_MAX_S = 30.0  # ... doubling while its links keep breaking, up to this
 
 
 class _Staged:
@@ -110,8 +112,7 @@ class PageSender:
         self._lock = threading.Lock()
         self._closed = False
         self._staged: dict[str, _Staged] = {}
-        self._links: dict[str, PeerLink] = {}
-        self._retired: list[PeerLink] = []
+        self._links: dict[str, PeerLink] = {}  # peer -> its link (the last one, maybe broken)
         self._targets: OrderedDict[str, tuple[PageHandle, list[BufferPlace]]] = OrderedDict()
         self._watchdog = Watchdog(float(call_timeout))
         self._geometry = {n: (kv.num_layers(n), kv.row_bytes(n)) for n in kv.buffer_names}
@@ -190,9 +191,8 @@ class PageSender:
             if self._closed:
                 return
             self._closed = True
-            links = [*self._links.values(), *self._retired]
+            links = list(self._links.values())
             self._links.clear()
-            self._retired.clear()
         for link in links:
             link.close()
         for link in links:
@@ -338,17 +338,32 @@ class PageSender:
                        keep=staged.staging)
 
     def _submit(self, peer: str, job: SendJob) -> None:
-        """Queue ``job`` on the link to ``peer`` (a new link where there is none, or where
-        the last one broke)."""
+        """Queue ``job`` on the link to ``peer``: a new link where there is none, or where
+        the last one broke, is gone (its engine destroyed: about a second after the
+        failure; a minute when the peer stopped answering at first contact) and its
+        back-off has passed (:data:`RETRY_AFTER_S`, doubling with each link in a row that
+        broke before a job went through, up to :data:`RETRY_AFTER_MAX_S`: a receiver that is
+        gone costs an engine now and then, not one per send). Until then the peer counts
+        as down: ``job`` ends ``FAILED`` (``NOT_SENT``) at once."""
         while True:
             with self._lock:
                 if self._closed:
                     raise KVMoveError("the PageSender is closed")
                 link = self._links.get(peer)
-                if link is None or not link.accepting:
-                    if link is not None:
-                        self._retired = [x for x in self._retired
-                                         if not x.wait_finished(0)] + [link]
+                if link is None:
                     link = self._links[peer] = PeerLink(peer, self.settings, self._watchdog)
+                elif not link.accepting:
+                    streak = 1 if link.jobs_ok else link.failed_before + 1
+                    back_off = min(RETRY_AFTER_S * 2 ** (streak - 1), RETRY_AFTER_MAX_S)
+                    if link.finished and time.monotonic() >= link.broken_at + back_off:
+                        link = self._links[peer] = PeerLink(peer, self.settings,
+                                                            self._watchdog)
+                        link.failed_before = streak
+                    else:
+                        link = None
+            if link is None:
+                job.finish(NOT_SENT)
+                job.release()
+                return
             if link.submit(job):
                 return
