@@ -7,9 +7,10 @@ The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of
 package, run as ``python -m <module> ... --json PATH`` in a process of their own (their
 results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
 ``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_calls.py`` (the
-fixed cost of one call, back to back) and ``bench/bench_vllm.py`` (vLLM connector save/load
-against vLLM's own Mooncake connector, in ``.venv-vllm``). A suite whose module is missing
-is skipped with a message.
+fixed cost of one call, back to back), ``bench/bench_vllm.py`` (vLLM connector save/load
+against vLLM's own Mooncake connector, in ``.venv-vllm``) and ``bench/bench_direct.py``
+(prefill -> decode host pool: PageSender against evict + get through the store). A suite
+whose module is missing is skipped with a message.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SUITES = {
     "calls": ("bench.bench_calls", ["--quick"], []),
     "vllm": ("bench.bench_vllm", ["--quick"], []),
     "sglang": ("bench.bench_sglang", ["--quick"], []),
+    "direct": ("bench.bench_direct", ["--quick"], []),
 }
 # Suites that run in another environment: name -> its Python (skipped when absent).
 _ROOT = Path(__file__).resolve().parents[1]
