@@ -14,7 +14,6 @@ master: one network hop. Each process is a :mod:`kvmove.cli.direct_node`.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmove.cli.direct_node import Node
+from kvmove.cli.node_logs import settle
 
 REQUEST_PAGES = 64  # pages of one prefill request
 
@@ -82,14 +82,7 @@ def run_main(args, console: Console) -> int:
         console.print(f"[bold red]demo failed[/]: {e}")
         ok = False
     finally:
-        codes = [n.close() for n in nodes]
-        if any(codes):
-            console.print(f"[bold red]process exit codes[/]: {codes}")
-            ok = False
-        if ok:
-            shutil.rmtree(logs, ignore_errors=True)
-        elif not verbose:
-            console.print(f"logs of the processes: {logs}")
+        ok = settle(console, logs, [n.close() for n in nodes], ok, verbose)
     return 0 if ok else 1
 
 
@@ -118,13 +111,10 @@ def report(console, args, nodes, sent: Counter, seconds: float, nbytes: int, che
             problems.append(f"process {i}: rows written that no send names "
                             f"{c['touched'][:10]}")
     console.print(table)
-    if problems:
-        console.print(f"[bold red]verification FAILED[/]: {len(problems)} problem(s)")
-        for line in problems:
-            console.print(f"  {line}")
-        return False
     total = sum(c["bytes"] for c in checks)
-    console.print(f"[bold green]verified[/]: {args.pages} pages streamed layer by layer by "
-                  f"process 0 into {len(checks)} decode pool(s), {total / 2**20:.1f} MiB, every "
-                  f"byte as sent, padding and unsent pages untouched")
-    return True
+    console.print(
+        f"[bold green]verified[/]: {args.pages} pages streamed layer by layer by process 0 "
+        f"into {len(checks)} decode pool(s), {total / 2**20:.1f} MiB, every byte as sent, "
+        "padding and unsent pages untouched" if not problems else
+        f"[bold red]verification FAILED[/]: {'; '.join(problems)}")
+    return not problems
