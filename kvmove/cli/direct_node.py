@@ -3,9 +3,9 @@ cache and a :class:`kvmove.PageSender`) and decode processes (a layer-first
 :class:`kvmove.HostPool` opened as a :class:`kvmove.PageReceiver`), each a process of its
 own (``multiprocessing``, spawned), driven by commands over a pipe.
 
-Every page has fixed bytes (:func:`kvmove.cli.demo.page_bytes` of the page number and the
-buffer), so a decode process checks what the prefill process wrote without being told the
-bytes. A decode pool starts filled with a sentinel: rows no send may write (pages not
+Every page has fixed bytes (:func:`kvmove.cli.synthetic_pages.page_bytes` of the page
+number and the buffer), so a decode process checks what the prefill process wrote without
+being told the bytes. A decode pool starts filled with a sentinel: rows no send may write (pages not
 sent, the padding rows of a partial page) must still hold it afterwards.
 
 Commands and answers:
@@ -61,7 +61,7 @@ class DecodeSide:
         all sentinel."""
         import torch
 
-        from kvmove.cli.demo import page_bytes
+        from kvmove.cli.synthetic_pages import page_bytes
 
         p = self.page_tokens
         wrong, touched, nbytes = [], [], 0
@@ -111,7 +111,7 @@ class PrefillSide:
                 valid: list[int]) -> dict:
         """Pages ``pages`` go to KV slots ``i * page_tokens ..`` (the ``i``-th page sent);
         each layer is "computed" (written) and then sent to every handle."""
-        from kvmove.cli.demo import page_bytes
+        from kvmove.cli.synthetic_pages import page_bytes
 
         torch, p = self.torch, self.page_tokens
         token_pages = torch.arange(len(pages) * p).reshape(len(pages), p)

@@ -27,7 +27,7 @@ from kvmove.direct.engine import Engine, TransportSettings
 from kvmove.direct.job import SendJob
 from kvmove.direct.watchdog import Watchdog
 from kvmove.errors import KVMoveError
-from kvmove.status import NOT_SENT, WRITE_TIMEOUT, code_name
+from kvmove.status import CLIENT_EXCEPTION, NOT_SENT, WRITE_TIMEOUT, code_name
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,13 @@ class PeerLink:
                 if self._broken or not self._jobs:
                     break
                 job = self._jobs.popleft()
-            if not self._run(job):
+            try:
+                ok = self._run(job)
+            except Exception:  # a broken contract (a CUDA error, a binding's TypeError)
+                log.exception("sending to %s failed", self.peer)
+                job.finish(CLIENT_EXCEPTION)
+                ok = False
+            if not ok:
                 failed = job
                 break
             self.jobs_ok += 1

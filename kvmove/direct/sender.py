@@ -11,7 +11,15 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from kvmove.checks import as_index_tensor, as_int_array, check_positive_int, check_range
+from kvmove.checks import (
+    as_index_tensor,
+    check_layer,
+    check_page_numbers,
+    check_positive_int,
+    check_range,
+    check_seconds,
+    padded_page_lengths,
+)
 from kvmove.direct.engine import TransportSettings
 from kvmove.direct.handle import BufferPlace, PageHandle
 from kvmove.direct.job import SendJob
@@ -96,13 +104,9 @@ class PageSender:
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
         self.page_tokens = check_positive_int(page_tokens, "page_tokens")
         self.staging_slots = check_positive_int(staging_slots, "staging_slots")
-        if isinstance(call_timeout, bool) or not isinstance(call_timeout, (int, float)) or (
-                not call_timeout > 0):
-            raise ValueError(f"call_timeout must be positive seconds, got {call_timeout!r}")
-        if alloc_timeout is not None and (isinstance(alloc_timeout, bool) or not isinstance(
-                alloc_timeout, (int, float)) or alloc_timeout < 0):
-            raise ValueError(f"alloc_timeout must be seconds >= 0 or None, got "
-                             f"{alloc_timeout!r}")
+        call_timeout = check_seconds(call_timeout, "call_timeout")
+        alloc_timeout = check_seconds(alloc_timeout, "alloc_timeout", none_ok=True,
+                                      zero_ok=True)
         self.settings = TransportSettings.from_env(local_hostname=hostname)
         self.kv = kv
         self.device = kv.device  # the gathers run there (the staging is host memory)
@@ -114,7 +118,7 @@ class PageSender:
         self._staged: dict[str, _Staged] = {}
         self._links: dict[str, PeerLink] = {}  # peer -> its link (the last one, maybe broken)
         self._targets: OrderedDict[str, tuple[PageHandle, list[BufferPlace]]] = OrderedDict()
-        self._watchdog = Watchdog(float(call_timeout))
+        self._watchdog = Watchdog(call_timeout)
         self._geometry = {n: (kv.num_layers(n), kv.row_bytes(n)) for n in kv.buffer_names}
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
@@ -141,10 +145,10 @@ class PageSender:
         engine can be made."""
         self._check_open()
         target, places = self._target(handle)
-        layer = self._check_layer(layers)
+        layer = check_layer(layers, self.kv.max_layers)
         pages, valid = self._check_pages(token_pages)
         n = pages.shape[0]
-        dst = self._check_destinations(dst_pages, n, target.num_pages)
+        dst = check_page_numbers(dst_pages, n, target.num_pages, "dst_pages")
         staged = self._staging_for("page_first" if target.layout == "page_first"
                                    else "layer_first")
         transfer = Transfer([str(d) for d in dst.tolist()], kind="send",
@@ -244,16 +248,6 @@ class PageSender:
                 self._targets.popitem(last=False)
         return hit
 
-    def _check_layer(self, layers) -> int | None:
-        if layers is None:
-            return None
-        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
-            raise TypeError(f"layers must be None or an int, got {layers!r:.40}")
-        top = self.kv.max_layers
-        if not 0 <= layers < top:
-            raise IndexError(f"layers = {layers} is out of range 0..{top - 1}")
-        return int(layers)
-
     def _check_pages(self, token_pages) -> tuple[torch.Tensor, np.ndarray]:
         """The token slots as an int64 CPU tensor (a copy: the caller may reuse its own;
         device indices are read on the host, which waits for the device) and each page's
@@ -265,33 +259,7 @@ class PageSender:
                              f"is {self.page_tokens}")
         host = pages.cpu().numpy().astype(np.int64, copy=True)
         check_range(torch.from_numpy(host), self.kv.num_slots, "token_pages")
-        real = host >= 0
-        empty = np.flatnonzero(~real[:, 0]) if n else np.zeros(0, dtype=np.int64)
-        if empty.size:
-            raise ValueError(f"token_pages[{int(empty[0])}] starts with -1: a page holds at "
-                             "least one token (-1 pads the end of a partial page)")
-        gaps = np.flatnonzero((real[:, 1:] & ~real[:, :-1]).any(axis=1))
-        if gaps.size:
-            i = int(gaps[0])
-            raise ValueError(f"token_pages[{i}] = {host[i].tolist()} has a token after a -1: "
-                             "-1 pads only the end of a page")
-        return torch.from_numpy(host), real.sum(axis=1, dtype=np.int64)
-
-    @staticmethod
-    def _check_destinations(dst_pages, n: int, num_pages: int) -> np.ndarray:
-        dst = as_int_array(dst_pages, "dst_pages")
-        if dst.size != n:
-            raise ValueError(f"dst_pages has {dst.size} pages for {n} pages of token_pages")
-        out = np.flatnonzero((dst < 0) | (dst >= num_pages))
-        if out.size:
-            i = int(out[0])
-            raise IndexError(f"dst_pages[{i}] = {int(dst[i])} is outside the receiver's "
-                             f"pages 0..{num_pages - 1}")
-        kept = np.sort(dst)
-        twice = kept[1:][kept[1:] == kept[:-1]]
-        if twice.size:
-            raise ValueError(f"dst_pages names page {int(twice[0])} more than once")
-        return dst
+        return torch.from_numpy(host), padded_page_lengths(host, "token_pages")
 
     # -- steps ----------------------------------------------------------------------------
     def _staging_for(self, layout: str) -> _Staged:

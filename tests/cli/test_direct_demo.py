@@ -49,7 +49,7 @@ def test_bad_direct_combinations_are_one_line_exit_2(args, option, capsys):
 
 
 def test_the_decode_check_fails_on_wrong_or_stray_bytes():
-    from kvmove.cli.demo import page_bytes
+    from kvmove.cli.synthetic_pages import page_bytes
 
     side = DecodeSide(layers=2, indexer_layers=1, page_tokens=4, pages=6)
     try:
