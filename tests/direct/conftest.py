@@ -1,6 +1,7 @@
 """Processes and pools for the direct-transfer tests: one receiver process (a guarded
-pool per host layout, hybrid buffers) and one more process (more receivers, a second
-sender), started once for the session; the sender under test lives in the test process."""
+pool per host layout, hybrid buffers, more receivers as tests need them, a second sender)
+and one to stop or kill, started once for the session; the sender under test lives in the
+test process."""
 
 from __future__ import annotations
 
@@ -71,10 +72,10 @@ class Remote:
 
 @pytest.fixture(scope="session")
 def peers():
-    """Two processes, and a third to stop or kill (``victim``), started together: they
-    start up while the first tests run."""
+    """A process (receivers, a second sender) and a second one to stop or kill
+    (``victim``), started together: they start up while the first tests run."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    started = [Peer() for _ in range(3)]
+    started = [Peer() for _ in range(2)]
     yield started
     for p in started:
         p.ask_to_exit()
@@ -84,13 +85,13 @@ def peers():
 
 @pytest.fixture
 def victim(peers):
-    """A process of its own for a test to SIGSTOP or SIGKILL: the third peer while it
+    """A process of its own for a test to SIGSTOP or SIGKILL: the second peer while it
     lives (a stopped one is continued after its test), else a new one."""
-    if not peers[2].proc.is_alive():
-        peers[2] = Peer()
-    yield peers[2]
-    if peers[2].proc.is_alive():
-        peers[2].signal(signal.SIGCONT)
+    if not peers[1].proc.is_alive():
+        peers[1] = Peer()
+    yield peers[1]
+    if peers[1].proc.is_alive():
+        peers[1].signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="session")

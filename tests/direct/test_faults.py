@@ -141,14 +141,14 @@ def test_a_forged_handle_aimed_outside_the_pool_changes_nothing(receivers, sende
 
 
 def test_a_closed_receiver_fails_fast_and_a_new_one_works(peers, sender, kv_bytes):
-    rx = Remote(peers[1], spec("layer_first"), seed=3)
+    rx = Remote(peers[0], spec("layer_first"), seed=3)
     assert sender.send(rx.handle, pages(0, 1), [0]).wait(30) == [Status.OK]
     stale = rx.handle
     rx.close()
     t0 = time.monotonic()
     assert sender.send(stale, pages(0, 2), [0, 1]).wait(30) == [Status.FAILED] * 2
     assert time.monotonic() - t0 < 10
-    fresh = Remote(peers[1], spec("layer_first"), seed=4)
+    fresh = Remote(peers[0], spec("layer_first"), seed=4)
     expected = fresh.expect(kv_bytes, pages(8, 2), [2, 3])
     assert sender.send(fresh.handle, pages(8, 2), [2, 3]).wait(30) == [Status.OK] * 2
     fresh.assert_holds(expected)
@@ -159,8 +159,11 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
                                                                       kv_bytes):
     rx = Remote(victim, spec("layer_first"), seed=9)
     other = receivers["layer_first"]
+    assert kvmove.PageSender.__init__.__kwdefaults__["call_timeout"] < 10
+    # The default call_timeout (8 s) gives FAILED within 10 s; a shorter one keeps the
+    # test short, the mechanism is the same.
     tx = kvmove.PageSender(kvmove.KVCache(kv_bytes), page_tokens=P, staging_slots=8,
-                           hostname="127.0.0.1")
+                           call_timeout=3, hostname="127.0.0.1")
     victim.signal(signal.SIGSTOP)  # at first contact Mooncake's handshake then waits 60 s
     t0 = time.monotonic()
     first = tx.send(rx.handle, pages(0, 2), [0, 1])
@@ -171,7 +174,7 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     other.assert_holds(expected)
     assert first.result(30).codes == [WRITE_TIMEOUT] * 2
     assert behind.result(30).codes == [NOT_SENT] * 2
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 3 + 2
     # Closing does not wait for the write the transport never returned (its thread
     # destroys its engine, and lets the staging go, once it does).
     t0 = time.monotonic()
@@ -202,7 +205,7 @@ def test_a_receiver_killed_mid_stream_fails_within_10_s(receivers, victim, kv_by
 
 def test_the_same_sender_keeps_serving_after_a_receiver_died(peers, receivers, sender,
                                                              kv_bytes):
-    doomed = Remote(peers[1], spec("layer_first"), seed=8)
+    doomed = Remote(peers[0], spec("layer_first"), seed=8)
     assert sender.send(doomed.handle, pages(0, 1), [0]).wait(30) == [Status.OK]
     doomed.close()
     assert sender.send(doomed.handle, pages(0, 1), [0]).wait(30) == [Status.FAILED]
@@ -229,7 +232,7 @@ def test_closing_the_sender_waits_for_its_transfers(receivers, kv_bytes):
 
 def test_closing_the_receiver_mid_stream_fails_the_rest(peers, kv_bytes):
     geometry = {"kv": [32, 656]}
-    rx = Remote(peers[1], spec("layer_first", geometry, pages=64), seed=10)
+    rx = Remote(peers[0], spec("layer_first", geometry, pages=64), seed=10)
     kv = kv_layers(geometry, 64 * P, seed=11)
     with kvmove.PageSender(kvmove.KVCache(kv), page_tokens=P, staging_slots=64,
                            hostname="127.0.0.1") as tx:

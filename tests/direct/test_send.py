@@ -106,7 +106,7 @@ def test_one_sender_from_several_threads(receivers, sender, kv_bytes):
 
 def test_two_sender_processes_into_one_pool_at_once(peers, receivers, sender, kv_bytes):
     rx = receivers["layer_first"]
-    other = peers[1].call("sender", buffers=HYBRID, slots=KV_SLOTS, seed=11, page_tokens=P,
+    other = peers[0].call("sender", buffers=HYBRID, slots=KV_SLOTS, seed=11, page_tokens=P,
                           staging_slots=8)["id"]
     other_kv = kv_layers(HYBRID, KV_SLOTS, seed=11)
     mine, theirs = token_pages(16, 6), token_pages(200, 6, valid=[P, P, P, P, P, 2])
@@ -117,14 +117,14 @@ def test_two_sender_processes_into_one_pool_at_once(peers, receivers, sender, kv
     apply_send(rx.views(wholes), kv_bytes, "layer_first", P, mine, my_dst)
     apply_send(rx.views(wholes), other_kv, "layer_first", P, theirs, their_dst, None)
     answer = {}
-    thread = threading.Thread(target=lambda: answer.update(peers[1].call(
+    thread = threading.Thread(target=lambda: answer.update(peers[0].call(
         "send", key=other, handle=rx.handle, token_pages=theirs.tolist(), dst_pages=their_dst,
         layerwise=True)))
     thread.start()
     mine_statuses = [sender.send(rx.handle, mine, my_dst, layers=layer).wait(30)
                      for layer in range(4)]
     thread.join(60)
-    peers[1].call("close", key=other)
+    peers[0].call("close", key=other)
     assert mine_statuses == [[Status.OK] * 6] * 4
     assert answer["statuses"] == [["ok"] * 6] * 4
     rx.assert_holds(wholes)
