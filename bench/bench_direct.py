@@ -126,6 +126,7 @@ def run(args) -> dict:
     kv = kvmove.KVCache({"kv": kv_rows})
     rng = np.random.default_rng(0)
     samples = {(m, n): [] for m in METHODS for n in args.pages}
+    send_returns = {n: [] for n in args.pages}  # seconds one layer's send takes to return
     spans = {}
     with kvmove.MooncakeStore.embedded(global_segment_size=1 << 30) as store:
         decode = DecodeProcess(store.address, args, 2 * n_max)
@@ -143,8 +144,9 @@ def run(args) -> dict:
                                                                           list(range(n))),
                             "direct, scattered pages": lambda tp=token_pages, n=n: _direct(
                                 tx, decode, tp, rng.permutation(2 * n_max)[:n].tolist()),
-                            "direct, layer by layer": lambda tp=token_pages, n=n: _direct(
-                                tx, decode, tp, list(range(n)), layerwise=True),
+                            "direct, layer by layer": lambda tp=token_pages, n=n, r=r: _direct(
+                                tx, decode, tp, list(range(n)), layerwise=True,
+                                issued=send_returns[n] if r else []),
                             "two-hop": lambda tp=token_pages, n=n: _two_hop(
                                 mover, store, decode, tp, list(range(n))),
                         }
@@ -163,7 +165,9 @@ def run(args) -> dict:
     out = {"benchmark": "bench_direct", "command": args.command,
            "layers": layers, "page_tokens": p, "row_bytes": row, "pages": list(args.pages),
            "object_bytes": object_bytes, "repeats": args.repeat, "spans_per_send": spans,
-           "median_s": {}, "spread": {}, "median_GBps": {}, "ratios": {}}
+           "median_s": {}, "spread": {}, "median_GBps": {}, "ratios": {},
+           "layer_send_returns_us": {str(n): statistics.median(v) * 1e6
+                                     for n, v in send_returns.items()}}
     for (method, n), s in samples.items():
         name = f"{method}, {n} pages"
         med = statistics.median(s)
@@ -179,12 +183,15 @@ def run(args) -> dict:
     return out
 
 
-def _direct(tx, decode, token_pages, dst, *, layerwise=False):
+def _direct(tx, decode, token_pages, dst, *, layerwise=False, issued=None):
+    """Seconds until every page is in the decode pool; with ``layerwise``, one send per
+    layer (and the mean time one ``send`` takes to return is added to ``issued``)."""
     decode.call("zero", dst)
     t0 = time.perf_counter()
     if layerwise:
         transfers = [tx.send(decode.handle, token_pages, dst, layers=layer)
                      for layer in range(tx.kv.max_layers)]
+        issued.append((time.perf_counter() - t0) / len(transfers))
         statuses = [s for t in transfers for s in t.wait(60)]
     else:
         statuses = tx.send(decode.handle, token_pages, dst).wait(60)
@@ -235,6 +242,9 @@ def report(result: dict, console: Console) -> None:
     console.print(table)
     for name, value in result["ratios"].items():
         console.print(f"  {name}: [bold]{value:.2f}x[/]")
+    for n, us in result["layer_send_returns_us"].items():
+        console.print(f"  one layer's send returns after {us:.0f} µs ({n} pages; the write "
+                      "goes on in the background)")
 
 
 def main(argv=None) -> int:

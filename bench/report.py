@@ -185,7 +185,10 @@ def direct_section(suite: dict) -> list[str]:
            "| path | ms | GB/s |", "|---|---:|---:|"]
     out += [f"| {k} | {v * 1e3:.1f} | {suite['median_GBps'][k]:.2f} |"
             for k, v in suite["median_s"].items()]
-    return [*out, "", *(f"- {k}: {v:.2f}x" for k, v in suite["ratios"].items()), ""]
+    out += ["", *(f"- {k}: {v:.2f}x" for k, v in suite["ratios"].items())]
+    out += [f"- one layer's send returns after {us:.0f} µs ({n} pages; the write goes on in "
+            "the background)" for n, us in suite.get("layer_send_returns_us", {}).items()]
+    return [*out, ""]
 
 
 _HOT_NAMES = {

@@ -131,6 +131,12 @@ def plan_spans(src: Sequence[BufferPlace], dst: Sequence[BufferPlace], slots: np
     span_of_unit = np.cumsum(new_span) - 1
     _check_inside(dst, span_buf, span_dst, span_len)
 
+    page_bytes = np.bincount(u_page, weights=u_len, minlength=n).astype(np.int64)
+    total = int(span_len.sum())
+    if (span_len.size <= MAX_SPANS_PER_CALL and total <= MAX_BYTES_PER_CALL
+            and int(span_len.max()) <= MAX_SPAN_BYTES):  # one call: the common case
+        return SpanPlan(span_src.tolist(), span_dst.tolist(), span_len.tolist(),
+                        [0, int(span_len.size)], np.zeros(n, dtype=np.int64), page_bytes)
     # Cut long spans; then calls of at most MAX_SPANS_PER_CALL spans and ~MAX_BYTES bytes.
     cuts = -(-span_len // MAX_SPAN_BYTES)
     if int(cuts.max()) > 1:
@@ -149,7 +155,6 @@ def plan_spans(src: Sequence[BufferPlace], dst: Sequence[BufferPlace], slots: np
     call_of = np.cumsum(new_call) - 1
     last_call = np.full(n, -1, dtype=np.int64)
     np.maximum.at(last_call, u_page, call_of[last_piece[span_of_unit]])
-    page_bytes = np.bincount(u_page, weights=u_len, minlength=n).astype(np.int64)
     bounds = [*np.flatnonzero(new_call).tolist(), int(span_len.size)]
     return SpanPlan(span_src.tolist(), span_dst.tolist(), span_len.tolist(), bounds,
                     last_call, page_bytes)

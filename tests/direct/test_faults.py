@@ -174,12 +174,12 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     other.assert_holds(expected)
     assert first.result(30).codes == [WRITE_TIMEOUT] * 2
     assert behind.result(30).codes == [NOT_SENT] * 2
-    assert time.monotonic() - t0 < 3 + 2
+    assert time.monotonic() - t0 < 3 + 4  # the call timeout, and slack for a busy machine
     # Closing does not wait for the write the transport never returned (its thread
     # destroys its engine, and lets the staging go, once it does).
     t0 = time.monotonic()
     tx.close()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # not the minute the stalled handshake takes
 
 
 def test_a_receiver_killed_mid_stream_fails_within_10_s(receivers, victim, kv_bytes):
