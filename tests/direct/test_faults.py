@@ -170,7 +170,7 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     behind = tx.send(rx.handle, pages(8, 2), [2, 3])
     expected = other.expect(kv_bytes, pages(12, 1), [13])
     assert tx.send(other.handle, pages(12, 1), [13]).wait(30) == [Status.OK]
-    assert time.monotonic() - t0 < 5  # not held up by the stalled one
+    assert time.monotonic() - t0 < 20  # not held up by the stalled one (60 s if it were)
     other.assert_holds(expected)
     assert first.result(30).codes == [WRITE_TIMEOUT] * 2
     assert behind.result(30).codes == [NOT_SENT] * 2
