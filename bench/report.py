@@ -126,6 +126,8 @@ def suite_section(name: str, suite: dict) -> list[str]:
                        f"{what} {e['speedup_set']:.2f}x | {e['speedup_get']:.2f}x |")
         out.append("")
         return out
+    if suite.get("benchmark") == "bench_direct":
+        return out + direct_section(suite)
     d = suite.get("describe")
     if d:
         out += [f"- descriptors for {d['keys']} keys x {d['layers']} layers ({d['spans']} "
@@ -178,6 +180,21 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += [f"End to end ({what}):", "", *_gbps_table(suite["median_GBps"])]
         out += [f"- {k}: {v:.2f}x" for k, v in suite.get("ratios", {}).items()] + [""]
     return out
+
+
+def direct_section(suite: dict) -> list[str]:
+    """The prefill -> decode host pool suite (``bench_direct``)."""
+    out = [f"Prefill -> decode host pool, {suite['layers']} layers x {suite['page_tokens']} "
+           f"tokens x {suite['row_bytes']} B pages into another process's layer-first pool "
+           "(TCP on loopback): `PageSender.send` against evict into the store + get into the "
+           f"pool, medians of {suite['repeats']} interleaved repeats:", "",
+           "| path | ms | GB/s |", "|---|---:|---:|"]
+    out += [f"| {k} | {v * 1e3:.1f} | {suite['median_GBps'][k]:.2f} |"
+            for k, v in suite["median_s"].items()]
+    out += ["", *(f"- {k}: {v:.2f}x" for k, v in suite["ratios"].items())]
+    out += [f"- one layer's send returns after {us:.0f} µs ({n} pages; the write goes on in "
+            "the background)" for n, us in suite.get("layer_send_returns_us", {}).items()]
+    return [*out, ""]
 
 
 _HOT_NAMES = {

@@ -8,10 +8,11 @@ package, run as ``python -m <module> ... --json PATH`` in a process of their own
 results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
 ``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_calls.py`` (the
 fixed cost of one call, back to back), ``bench/bench_gpu.py`` (the GPU path's goals: vs
-bulk and per-page copies, beside a matmul, copy engine vs kernel; skipped without a GPU)
-and ``bench/bench_vllm.py`` (vLLM connector save/load against vLLM's own Mooncake
-connector, in ``.venv-vllm``). A suite whose module is missing
-is skipped with a message.
+bulk and per-page copies, beside a matmul, copy engine vs kernel; skipped without a GPU),
+``bench/bench_vllm.py`` (vLLM connector save/load against vLLM's own Mooncake connector, in
+``.venv-vllm``) and ``bench/bench_direct.py`` (prefill -> decode host pool: PageSender
+against evict + get through the store). A suite whose module is missing is skipped with a
+message.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ SUITES = {
     "gpu": ("bench.bench_gpu", ["--quick"], []),  # records "skipped" without a GPU
     "vllm": ("bench.bench_vllm", ["--quick"], []),
     "sglang": ("bench.bench_sglang", ["--quick"], []),
+    "direct": ("bench.bench_direct", ["--quick"], []),
 }
 # Suites that run in another environment: name -> its Python (skipped when absent).
 _ROOT = Path(__file__).resolve().parents[1]

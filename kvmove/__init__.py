@@ -17,6 +17,8 @@ _EXPORTS = {
     "KVMoveError": "kvmove.errors",
     "KVMover": "kvmove.mover",
     "MooncakeStore": "kvmove.store.mooncake_store",
+    "PageReceiver": "kvmove.direct.receiver",
+    "PageSender": "kvmove.direct.sender",
     "StagingBuffer": "kvmove.memory.staging",
     "StagingFull": "kvmove.errors",
     "StagingInUse": "kvmove.errors",

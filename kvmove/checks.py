@@ -257,3 +257,63 @@ def small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
         kept = [r for r in flat if r >= 0]
         return len(set(kept)) == len(kept)
     return True
+
+
+def check_seconds(value, name: str, *, none_ok: bool = False, zero_ok: bool = False):
+    """``value`` as float seconds: a real number > 0 (>= 0 with ``zero_ok``; ``None`` passes
+    with ``none_ok``); else ``ValueError`` naming ``name``."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{name} must be {'>= 0' if zero_ok else 'positive'} seconds"
+                         f"{' or None' if none_ok else ''}, got {value!r}")
+    return float(value)
+
+
+def check_layer(layers, num_layers: int, name: str = "layers") -> int | None:
+    """``None`` (every layer) or one layer index in ``0 .. num_layers - 1``: ``TypeError``
+    for anything else, ``IndexError`` out of range."""
+    if layers is None:
+        return None
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
+        raise TypeError(f"{name} must be None or an int, got {layers!r:.40}")
+    if not 0 <= layers < num_layers:
+        raise IndexError(f"{name} = {layers} is out of range 0..{num_layers - 1}")
+    return int(layers)
+
+
+def padded_page_lengths(pages: np.ndarray, name: str) -> np.ndarray:
+    """Tokens of each page of int ``[n, page_tokens]`` token slots whose padding (``-1``)
+    may only end a page: ``ValueError`` naming the page for a page that starts with
+    ``-1`` or has a token after a ``-1``."""
+    real = pages >= 0
+    if not pages.shape[0]:
+        return np.zeros(0, dtype=np.int64)
+    empty = np.flatnonzero(~real[:, 0])
+    if empty.size:
+        raise ValueError(f"{name}[{int(empty[0])}] starts with -1: a page holds at least one "
+                         "token (-1 pads the end of a partial page)")
+    gaps = np.flatnonzero((real[:, 1:] & ~real[:, :-1]).any(axis=1))
+    if gaps.size:
+        i = int(gaps[0])
+        raise ValueError(f"{name}[{i}] = {pages[i].tolist()} has a token after a -1: -1 "
+                         "pads only the end of a page")
+    return real.sum(axis=1, dtype=np.int64)
+
+
+def check_page_numbers(value, n: int, num_pages: int, name: str) -> np.ndarray:
+    """``n`` distinct page numbers in ``0 .. num_pages - 1`` as int64: ``ValueError`` for
+    another count or a page named twice, ``IndexError`` for one out of range."""
+    pages = as_int_array(value, name)
+    if pages.size != n:
+        raise ValueError(f"{name} has {pages.size} pages for {n}")
+    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    if out.size:
+        i = int(out[0])
+        raise IndexError(f"{name}[{i}] = {int(pages[i])} is outside pages 0..{num_pages - 1}")
+    kept = np.sort(pages)
+    twice = kept[1:][kept[1:] == kept[:-1]]
+    if twice.size:
+        raise ValueError(f"{name} names page {int(twice[0])} more than once")
+    return pages

@@ -38,11 +38,16 @@ CLIENT_EXCEPTION = -1
 # kvmove's codes for keys that FAILED before reaching the store (never Mooncake's):
 BAD_ROWS = -10001  # a row index of the key's page was out of range (check=False, device indices)
 STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_timeout
+# kvmove's codes for pages of a direct send (kvmove.PageSender) that FAILED:
+WRITE_TIMEOUT = -10003  # a write to the receiver did not return within the call timeout
+NOT_SENT = -10004  # not tried: an earlier write to the same receiver had failed
 
 CODE_NAMES = {
     CLIENT_EXCEPTION: "INTERNAL_ERROR",
     BAD_ROWS: "KVMOVE_BAD_ROWS",
     STAGING_TIMEOUT: "KVMOVE_STAGING_TIMEOUT",
+    WRITE_TIMEOUT: "KVMOVE_WRITE_TIMEOUT",
+    NOT_SENT: "KVMOVE_NOT_SENT",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
     REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",

@@ -154,6 +154,21 @@ def test_mover_benchmark_runs_end_to_end(tmp_path):
                                      "prefetch / (describe, get, scatter)"}
 
 
+@pytest.mark.store
+def test_direct_benchmark_runs_end_to_end(tmp_path):
+    from bench import bench_direct
+
+    out = tmp_path / "direct.json"
+    assert bench_direct.main(["--layers", "2", "--page-tokens", "4", "--pages", "2",
+                              "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())  # the pages were checked in the decode process
+    assert set(result["median_s"]) == {f"{m}, 2 pages" for m in bench_direct.METHODS}
+    assert result["spans_per_send"]["2"] == {"all layers": 2, "one layer": 1}
+    assert all(v > 0 for v in result["ratios"].values())
+    md = "\n".join(report.suite_section("direct", result))
+    assert "| two-hop, 2 pages |" in md and "direct vs two-hop, 2 pages (goal >= 2x)" in md
+
+
 def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
     from bench import bench_calls
 

@@ -334,6 +334,10 @@ def run_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
     settle_device(parser, args)
     demo_options.settle_defaults(parser, args, on_gpu=torch.device(args.device).type == "cuda")
     console = Console()
+    if args.direct:
+        from kvmove.cli import direct_demo
+
+        return direct_demo.run_main(args, console)
     if args.processes > 1:
         from kvmove.cli import cluster_demo
 

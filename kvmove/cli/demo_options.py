@@ -49,6 +49,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="engine processes (default 1). 2 or more: the prefill/decode shape, "
                         "one process evicts the pages it prefilled and the others prefetch "
                         "and verify them through one master")
+    p.add_argument("--direct", action="store_true",
+                   help="with --processes 2 or more: no store; the prefill process streams "
+                        "its pages layer by layer straight into the decode processes' "
+                        "layer-first host pools (PageSender / PageReceiver)")
     p.add_argument("--replicas", type=int, default=1,
                    help="replicas of every stored page (default 1; see README 'Clusters')")
     p.add_argument("--seed", type=int, default=0, help="seed of the top-k selection")
@@ -71,6 +75,12 @@ def check(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must not be negative, got {value}")
     if args.processes > 64:
         parser.error(f"--processes must be at most 64, got {args.processes}")
+    if args.direct and args.processes < 2:
+        parser.error("--direct needs --processes 2 or more (a prefill process and decode "
+                     "processes)")
+    if args.direct and (args.master is not None or args.replicas != 1):
+        parser.error("--direct moves pages without a store: --master and --replicas do not "
+                     "apply")
     if args.layerwise and args.processes > 1:
         parser.error("--layerwise applies to the single-process demo (--processes 1)")
     if args.resident is not None and args.resident < 2 and args.processes == 1:

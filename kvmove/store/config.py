@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["StoreConfig", "parse_size"]
+__all__ = ["TRANSPORT_FIELDS", "StoreConfig", "check_transport", "parse_size"]
 
 DEFAULT_GLOBAL_SEGMENT_SIZE = 4 << 30  # SGLang's default
 DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20  # SGLang's: the zero-copy API needs no local buffer
@@ -114,6 +114,50 @@ def _parse_address(value, name: str) -> str:
     return value.strip()
 
 
+# The fields that say how a Transfer Engine joins the network (the store's and the direct
+# path's, kvmove.direct): checked by check_transport.
+TRANSPORT_FIELDS = ("metadata_server", "protocol", "local_hostname", "rdma_devices")
+
+
+def check_transport(values: Mapping) -> dict:
+    """The transport fields of ``values`` (:data:`TRANSPORT_FIELDS`), stripped and checked:
+    ``metadata_server``, ``protocol`` and ``local_hostname`` non-empty strings, the protocol
+    a transport name (lower-cased), the host name a host or IP address (optionally
+    ``:port``), ``rdma_devices`` a string (``None`` is ``""``); no spaces or control
+    characters in the metadata server or the devices. ``ValueError`` names the field."""
+    out = {}
+    for name in ("metadata_server", "protocol", "local_hostname"):
+        value = values[name]
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        out[name] = value.strip()
+    out["protocol"] = out["protocol"].lower()
+    if out["protocol"] not in PROTOCOLS:
+        close = difflib.get_close_matches(out["protocol"], PROTOCOLS, n=1)
+        raise ValueError(
+            f"protocol must be a Mooncake transport ({', '.join(PROTOCOLS)}), got "
+            f"{out['protocol']!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        )
+    host = out["local_hostname"]
+    name, _, port = host.rpartition(":")
+    if not _HOST.fullmatch(host) and not (_HOST.fullmatch(name) and _PORT.fullmatch(port)):
+        raise ValueError(
+            f"local_hostname must be a host name or IP address (optionally ':port'), "
+            f"got {host!r}"
+        )
+    devices = "" if values["rdma_devices"] is None else values["rdma_devices"]
+    if not isinstance(devices, str):
+        raise ValueError(f"rdma_devices must be a string, got {devices!r}")
+    out["rdma_devices"] = devices.strip()
+    for name in ("metadata_server", "rdma_devices"):
+        if not _NO_SPACE_OR_CONTROL.fullmatch(out[name]):
+            raise ValueError(
+                f"{name} must not contain spaces or control characters, got {out[name]!r}"
+                + (" (list devices as 'mlx5_0,mlx5_1')" if name == "rdma_devices" else "")
+            )
+    return out
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Where the Mooncake store is and how this client joins it.
@@ -155,37 +199,9 @@ class StoreConfig:
     def __post_init__(self):
         set_ = object.__setattr__
         set_(self, "master_address", _parse_address(self.master_address, "master_address"))
-        for name in ("metadata_server", "protocol", "local_hostname"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-            set_(self, name, value.strip())
-        set_(self, "protocol", self.protocol.lower())
-        if self.protocol not in PROTOCOLS:
-            close = difflib.get_close_matches(self.protocol, PROTOCOLS, n=1)
-            raise ValueError(
-                f"protocol must be a Mooncake transport ({', '.join(PROTOCOLS)}), got "
-                f"{self.protocol!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-            )
-        name, _, port = self.local_hostname.rpartition(":")
-        host = self.local_hostname
-        if not _HOST.fullmatch(host) and not (_HOST.fullmatch(name) and _PORT.fullmatch(port)):
-            raise ValueError(
-                f"local_hostname must be a host name or IP address (optionally ':port'), "
-                f"got {host!r}"
-            )
-        if self.rdma_devices is None:
-            set_(self, "rdma_devices", "")
-        if not isinstance(self.rdma_devices, str):
-            raise ValueError(f"rdma_devices must be a string, got {self.rdma_devices!r}")
-        set_(self, "rdma_devices", self.rdma_devices.strip())
-        for name in ("metadata_server", "rdma_devices"):
-            if not _NO_SPACE_OR_CONTROL.fullmatch(getattr(self, name)):
-                raise ValueError(
-                    f"{name} must not contain spaces or control characters, got "
-                    f"{getattr(self, name)!r}"
-                    + (" (list devices as 'mlx5_0,mlx5_1')" if name == "rdma_devices" else "")
-                )
+        transport = check_transport({n: getattr(self, n) for n in TRANSPORT_FIELDS})
+        for name, value in transport.items():
+            set_(self, name, value)
         for name in ("global_segment_size", "local_buffer_size"):
             set_(self, name, parse_size(getattr(self, name), name))
         for name in ("replicas", "max_batch_keys"):

@@ -1,0 +1,184 @@
+"""A thin wrapper of Mooncake's ``TransferEngine`` for the direct path.
+
+- Settings come from the ``MOONCAKE_*`` variables (SGLang's names, the store's checks):
+  ``MOONCAKE_LOCAL_HOSTNAME`` (the address peers reach this process at), ``MOONCAKE_PROTOCOL``
+  (``tcp``, ``rdma``, ...), ``MOONCAKE_DEVICE`` (RDMA devices, e.g. ``mlx5_0,mlx5_1``) and
+  ``MOONCAKE_TE_META_DATA_SERVER`` (``P2PHANDSHAKE`` by default: no metadata server).
+- Mooncake's own log is quiet (``MC_LOG_LEVEL=ERROR``) and a write to a peer that stopped
+  answering gives up after 5 s (``MC_TRANSFER_TIMEOUT=5``, the engine's minimum; Mooncake's
+  default is 30 s), unless the user set those variables. Both are read when an engine is
+  made, so they are set around that moment only and restored after it.
+- Nothing reaches the engine before ``initialize`` succeeded (Mooncake 0.3.13 crashes the
+  process on ``get_rpc_port`` or ``register_memory`` before it) or after :meth:`close`.
+- :meth:`Engine.close` unregisters what was registered and drops the engine: its destructor
+  stops incoming writes and ends every write it was still making (Mooncake's only cancel:
+  a failed write goes on reading its source until then). It holds the GIL for 0.1-1 s.
+
+Under ``P2PHANDSHAKE`` the engine listens on every interface (``0.0.0.0`` and ``[::]``),
+whatever host name it is given, on two ports of ``MC_MIN_RPC_PORT..MC_MAX_RPC_PORT``
+(15000-17000 by default); a peer names it ``host:rpc_port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvmove.errors import KVMoveError
+from kvmove.store.config import ENV_VARS, TRANSPORT_FIELDS, StoreConfig, check_transport
+
+log = logging.getLogger(__name__)
+
+# Mooncake variables set while an engine is made, unless the user set them.
+ENGINE_ENV_DEFAULTS = {"MC_LOG_LEVEL": "ERROR", "MC_TRANSFER_TIMEOUT": "5"}
+_env_lock = threading.Lock()
+_STORE_DEFAULTS = {n: StoreConfig.__dataclass_fields__[n].default for n in TRANSPORT_FIELDS}
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """How an engine joins the network: ``local_hostname`` (the address peers reach it at),
+    ``protocol``, ``rdma_devices``, ``metadata_server``. Defaults and checks are the
+    store's (:class:`kvmove.StoreConfig`)."""
+
+    local_hostname: str = _STORE_DEFAULTS["local_hostname"]
+    protocol: str = _STORE_DEFAULTS["protocol"]
+    rdma_devices: str = _STORE_DEFAULTS["rdma_devices"]
+    metadata_server: str = _STORE_DEFAULTS["metadata_server"]
+
+    def __post_init__(self):
+        checked = check_transport({n: getattr(self, n) for n in TRANSPORT_FIELDS})
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 **overrides) -> TransportSettings:
+        """Settings from the ``MOONCAKE_*`` variables; ``overrides`` (fields) that are not
+        ``None`` win. A malformed value raises ``ValueError`` naming its variable."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for var, name in ENV_VARS.items():
+            if name in TRANSPORT_FIELDS and (env.get(var) or "").strip():
+                values[name] = env[var]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ValueError as e:
+            var = next((v for v, n in ENV_VARS.items() if n in values and n not in overrides
+                        and str(e).startswith(n)), None)
+            if var is None:
+                raise
+            raise ValueError(f"environment variable {var}: {e}") from None
+
+    @property
+    def p2p(self) -> bool:
+        return self.metadata_server.upper() == "P2PHANDSHAKE"
+
+    @property
+    def host(self) -> str:
+        """``local_hostname`` without a ``:port`` (ignored under ``P2PHANDSHAKE``)."""
+        name = self.local_hostname  # a name or IPv4 address, or [IPv6]; then maybe :port
+        if name.startswith("["):
+            return name[: name.index("]") + 1]
+        return name.partition(":")[0]
+
+
+@contextlib.contextmanager
+def _engine_env():
+    """:data:`ENGINE_ENV_DEFAULTS` in the environment where the user set nothing, for the
+    block only (Mooncake reads them when an engine is made)."""
+    with _env_lock:
+        added = [k for k in ENGINE_ENV_DEFAULTS if k not in os.environ]
+        for k in added:
+            os.environ[k] = ENGINE_ENV_DEFAULTS[k]
+        try:
+            yield
+        finally:
+            for k in added:
+                os.environ.pop(k, None)
+
+
+class Engine:
+    """One initialized Mooncake ``TransferEngine``. ``peer``: the name other engines write
+    to it by (``host:rpc_port`` under ``P2PHANDSHAKE``, else the host name, which names
+    its segment in the metadata server). Raises :class:`kvmove.KVMoveError` when Mooncake
+    is missing or the engine cannot be set up (nothing is left open then)."""
+
+    def __init__(self, settings: TransportSettings):
+        self.settings = settings
+        with _engine_env():  # the log level is read when the module is first imported
+            try:
+                from mooncake.engine import TransferEngine
+            except ImportError as e:
+                raise KVMoveError(
+                    "the Mooncake Python package is not installed (pip install "
+                    "mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda on a "
+                    f"machine without CUDA): {e}") from e
+            engine = TransferEngine()
+            rc = engine.initialize(settings.local_hostname, settings.metadata_server,
+                                   settings.protocol, settings.rdma_devices)
+        if rc != 0:
+            raise KVMoveError(
+                f"Mooncake TransferEngine.initialize({settings.local_hostname!r}, "
+                f"{settings.metadata_server!r}, {settings.protocol!r}, "
+                f"{settings.rdma_devices!r}) failed with code {rc}")
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}  # address -> nbytes
+        self.peer = (f"{settings.host}:{engine.get_rpc_port()}" if settings.p2p
+                     else settings.local_hostname)
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
+
+    def register(self, regions) -> None:
+        """Register each ``(address, nbytes)`` not registered yet (RDMA needs it for every
+        byte it reads or writes; over TCP it is what a receiver accepts writes into). A
+        failure unregisters what this call registered and raises :class:`KVMoveError`."""
+        with self._lock:
+            if self._engine is None:
+                raise KVMoveError("the transfer engine is closed")
+            added = []
+            for address, nbytes in regions:
+                if self._registered.get(address) == nbytes:
+                    continue
+                rc = self._engine.register_memory(address, nbytes)
+                if rc != 0:
+                    for a in added:
+                        self._engine.unregister_memory(a)
+                        del self._registered[a]
+                    raise KVMoveError(f"Mooncake register_memory({address:#x}, {nbytes}) "
+                                      f"failed with code {rc} (an overlapping region is -7)")
+                self._registered[address] = nbytes
+                added.append(address)
+
+    def write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        """``batch_transfer_sync_write``: 0 once every span is in the peer's memory, else a
+        Mooncake code (-1). A failure does not cancel the spans (see the module doc)."""
+        engine = self._engine
+        if engine is None:
+            return -1
+        return engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
+
+    def close(self) -> None:
+        """Unregister everything and destroy the engine. Idempotent."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+            if engine is None:
+                return
+            for address in self._registered:
+                rc = engine.unregister_memory(address)
+                if rc != 0:
+                    log.debug("unregister_memory(%#x) returned %d", address, rc)
+            self._registered.clear()
+        del engine  # the last reference: the destructor runs here
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"Engine({self.peer}, {self.settings.protocol}, {state})"

@@ -1,0 +1,180 @@
+"""``PeerLink``: a sender's line to one receiver — a Transfer Engine of its own and one
+thread that makes its calls, one at a time, in the order the jobs came.
+
+Why one engine per receiver: a receiver that stops answering at first contact holds its
+engine for 60 s (Mooncake 0.3.13 handshakes under the engine's lock), and more spans in
+flight to one peer than the transport queues can break that connection for good; with an
+engine each, neither reaches the sender's other receivers. One call at a time keeps a
+peer's spans in flight at :data:`~kvmove.direct.spans.MAX_SPANS_PER_CALL`.
+
+A call that fails, or that the watchdog gives up on, breaks the link: its job ends with
+the pages that landed ``OK`` and the rest ``FAILED``, the jobs queued behind it end
+``FAILED`` (code ``NOT_SENT``) at once and their slots go back, and the engine is
+destroyed once the call has returned. Only then does the failed job give its slots back:
+Mooncake does not cancel a failed write, its engine may go on reading the source until it
+is destroyed. The sender makes a new link (a fresh engine) for the next send to that
+receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from kvmove.direct.engine import Engine, TransportSettings
+from kvmove.direct.job import SendJob
+from kvmove.direct.watchdog import Watchdog
+from kvmove.errors import KVMoveError
+from kvmove.status import CLIENT_EXCEPTION, NOT_SENT, WRITE_TIMEOUT, code_name
+
+log = logging.getLogger(__name__)
+
+
+class PeerLink:
+    def __init__(self, peer: str, settings: TransportSettings, watchdog: Watchdog):
+        self.peer = peer
+        self.engine = Engine(settings)
+        self._watchdog = watchdog
+        self._jobs: deque[SendJob] = deque()
+        self._cond = threading.Condition()
+        self._call: tuple[object, SendJob] | None = None  # the call in flight
+        self._broken = False
+        self._closing = False
+        self._finished = False
+        self.broken_at = 0.0  # time.monotonic() when a call failed
+        self.jobs_ok = 0  # jobs whose every call returned 0
+        self.failed_before = 0  # links to this peer that broke in a row before this one
+        self.abandoned = False  # a call never returned in time: its thread is left to end
+        self._thread = threading.Thread(target=self._serve, name=f"kvmove-send {peer}",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        with self._cond:
+            return not (self._broken or self._closing)
+
+    @property
+    def finished(self) -> bool:
+        """The link's thread has ended: its engine is destroyed."""
+        with self._cond:
+            return self._finished
+
+    def submit(self, job: SendJob) -> bool:
+        """Queue ``job``; False (nothing queued) when the link is broken or closing."""
+        with self._cond:
+            if self._broken or self._closing:
+                return False
+            self._jobs.append(job)
+            self._cond.notify_all()
+            return True
+
+    def close(self) -> None:
+        """Finish the queued jobs, then destroy the engine (on the link's thread)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Wait until the link's thread has ended (its engine destroyed) or the link was
+        abandoned (its thread still waits on a call that did not return in time)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._finished or self.abandoned, timeout)
+
+    def abandon(self, token: object) -> None:
+        """The watchdog: call ``token`` has not returned in time. Its job ends ``FAILED``
+        (``WRITE_TIMEOUT``) for every page it had not landed, the queued jobs end
+        ``FAILED`` (``NOT_SENT``) at once."""
+        with self._cond:
+            if self._call is None or self._call[0] is not token:
+                return  # it returned meanwhile
+            job = self._call[1]
+            self._broken = self.abandoned = True
+            self.broken_at = time.monotonic()
+            queued = list(self._jobs)
+            self._jobs.clear()
+            self._cond.notify_all()
+        log.warning("no answer from %s within %g s; its pages are FAILED", self.peer,
+                    self._watchdog.timeout)
+        job.finish(WRITE_TIMEOUT)
+        _fail(queued)
+
+    # -- the link's thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        failed = None
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closing or self._broken)
+                if self._broken or not self._jobs:
+                    break
+                job = self._jobs.popleft()
+            try:
+                ok = self._run(job)
+            except Exception:  # a broken contract (a CUDA error, a binding's TypeError)
+                log.exception("sending to %s failed", self.peer)
+                job.finish(CLIENT_EXCEPTION)
+                ok = False
+            if not ok:
+                failed = job
+                break
+            self.jobs_ok += 1
+            job.release()
+        with self._cond:
+            if failed is not None and not self.broken_at:
+                self.broken_at = time.monotonic()
+            self._broken = True
+            queued = list(self._jobs)
+            self._jobs.clear()
+        _fail(queued)
+        self.engine.close()  # nothing reads the staging after this
+        if failed is not None:
+            failed.release()
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def _run(self, job: SendJob) -> bool:
+        """Make the job's calls; whether every one returned 0."""
+        try:
+            self.engine.register(job.regions)
+        except KVMoveError as e:
+            log.warning("sending to %s: %s", self.peer, e)
+            job.finish(-1)
+            return False
+        if job.gathered is not None:
+            job.gathered.synchronize()
+        t0 = time.perf_counter()
+        for k in range(job.plan.num_calls):
+            token = object()
+            with self._cond:
+                self._call = (token, job)
+            self._watchdog.arm(self, token)
+            rc = self.engine.write(self.peer, *job.plan.call(k))
+            self._watchdog.disarm(token)
+            with self._cond:
+                self._call = None
+                abandoned = self.abandoned
+            if rc != 0 or abandoned:
+                if not abandoned:
+                    log.warning("a write of %d spans to %s failed (%d, %s); its pages are "
+                                "FAILED", len(job.plan.call(k)[2]), self.peer, rc,
+                                code_name(rc))
+                job.finish(rc if rc != 0 else WRITE_TIMEOUT, time.perf_counter() - t0)
+                return False
+            job.calls_ok = k + 1
+        job.finish(None, time.perf_counter() - t0)
+        return True
+
+    def __repr__(self) -> str:
+        state = ("abandoned" if self.abandoned else "finished" if self._finished
+                 else "broken" if self._broken else "closing" if self._closing else "open")
+        return f"PeerLink({self.peer}, {state})"
+
+
+def _fail(jobs: list[SendJob]) -> None:
+    """End jobs that never reached the engine: ``FAILED`` (``NOT_SENT``), slots back."""
+    for job in jobs:
+        job.finish(NOT_SENT)
+        job.release()

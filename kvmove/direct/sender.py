@@ -1,0 +1,337 @@
+"""``PageSender``: a prefill process writes pages of its KV cache straight into a decode
+process's host pool (a :class:`~kvmove.PageReceiver`), one network hop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from kvmove.checks import (
+    as_index_tensor,
+    check_layer,
+    check_page_numbers,
+    check_positive_int,
+    check_range,
+    check_seconds,
+    padded_page_lengths,
+)
+from kvmove.direct.engine import TransportSettings
+from kvmove.direct.handle import BufferPlace, PageHandle
+from kvmove.direct.job import SendJob
+from kvmove.direct.link import PeerLink
+from kvmove.direct.slots import LayerSlots
+from kvmove.direct.spans import plan_spans
+from kvmove.direct.watchdog import Watchdog
+from kvmove.errors import KVMoveError, StagingFull
+from kvmove.memory.cache import KVCache
+from kvmove.memory.staging import StagingBuffer
+from kvmove.rows.moves import copy_pages
+from kvmove.rows.prepared import prepared_copy, resolve_backend
+from kvmove.status import NOT_SENT, STAGING_TIMEOUT, Status
+from kvmove.transfer import Transfer, TransferResult
+from kvmove.tuning.autotune import tune_for_copies
+
+log = logging.getLogger(__name__)
+
+HANDLES_KEPT = 256  # parsed handles kept (least recently used dropped)
+RETRY_AFTER_S = 1.0  # a receiver whose link broke is tried again after this long, ...
+RETRY_AFTER_MAX_S = 30.0  # ... doubling while its links keep breaking, up to this
+
+
+class _Staged:
+    """The staging of one layout, its slots, the prepared gathers into it (every layer,
+    and each layer alone) and where its bytes are."""
+
+    def __init__(self, kv: KVCache, layout: str, num_slots: int, page_tokens: int,
+                 backend: str):
+        self.staging = StagingBuffer(kv, num_slots=num_slots, page_tokens=page_tokens,
+                                     layout=layout)
+        self.slots = LayerSlots(kv.max_layers, num_slots)
+        pools = kv.row_pool, self.staging.row_pool
+        common = {"backend": backend, "direction": "gather", "page_tokens": page_tokens}
+        self.gather_all = prepared_copy(*pools, **common)
+        self.gather_layer = [prepared_copy(*pools, layer, **common)
+                             for layer in range(kv.max_layers)]
+        self.places = [
+            BufferPlace.of_view(name, self.staging.tensor(name), layout=layout,
+                                layers=kv.num_layers(name), row_bytes=kv.row_bytes(name),
+                                page_tokens=page_tokens, num_pages=num_slots)
+            for name in kv.buffer_names]
+        self.regions = self.staging.regions()
+
+    def gather_of(self, layer: int | None):
+        return self.gather_all if layer is None else self.gather_layer[layer]
+
+
+class PageSender:
+    """Writes pages of ``kv`` (a :class:`kvmove.KVCache`, on a GPU or the host) into the
+    host pools of :class:`kvmove.PageReceiver` processes, named by their handles.
+
+    A send gathers the pages into the sender's staging (``staging_slots`` pages; the
+    prepared copies the mover uses, one launch per buffer on a GPU) and writes them to the
+    receiver in the background, in spans merged wherever both sides are contiguous
+    (consecutive destination pages of a layer_first pool are one span per layer), in calls
+    of at most 1000 spans, one call at a time per receiver. The staging is laid out like
+    the receiver's pages: page-first for a page_first pool, else layer-first (made on the
+    first send to such a pool). Slots are taken per layer: a layer-wise stream of ``n``
+    pages uses ``n`` slots.
+
+    Each receiver is written through a Transfer Engine of its own, made at the first send
+    to it (settings from the ``MOONCAKE_*`` variables, ``hostname`` overriding
+    ``MOONCAKE_LOCAL_HOSTNAME``), so that one that stops answering holds up no other. A
+    write that fails or does not return within ``call_timeout`` seconds ends ``FAILED``
+    for the pages it had not landed; that engine is then destroyed (Mooncake's only way to
+    stop a failed write from reading the staging) and its slots come back after it; the
+    next send to that receiver makes a new one. A receiver that is gone (killed, closed)
+    fails in under a second, one that stopped answering within ``call_timeout`` (8 s).
+
+    ``alloc_timeout``: seconds a send waits for free staging slots before
+    :class:`kvmove.StagingFull` (first piece; nothing was sent) or ``FAILED`` pages (code
+    ``STAGING_TIMEOUT``, a later piece of a send larger than the staging). ``backend`` as
+    for :func:`kvmove.gather`. Thread-safe. ``close()`` (or leaving a ``with`` block)
+    waits for the transfers in flight, then destroys the engines and frees the staging.
+    """
+
+    def __init__(self, kv: KVCache, *, page_tokens: int = 64, staging_slots: int = 256,
+                 backend: str = "auto", alloc_timeout: float | None = 60.0,
+                 call_timeout: float = 8.0, hostname: str | None = None):
+        if not isinstance(kv, KVCache):
+            raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
+        self.page_tokens = check_positive_int(page_tokens, "page_tokens")
+        self.staging_slots = check_positive_int(staging_slots, "staging_slots")
+        call_timeout = check_seconds(call_timeout, "call_timeout")
+        alloc_timeout = check_seconds(alloc_timeout, "alloc_timeout", none_ok=True,
+                                      zero_ok=True)
+        self.settings = TransportSettings.from_env(local_hostname=hostname)
+        self.kv = kv
+        self.device = kv.device  # the gathers run there (the staging is host memory)
+        resolve_backend(backend, self.device)  # validates; "auto" is resolved per buffer
+        self.backend = backend
+        self.alloc_timeout = alloc_timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._staged: dict[str, _Staged] = {}
+        self._links: dict[str, PeerLink] = {}  # peer -> its link (the last one, maybe broken)
+        self._targets: OrderedDict[str, tuple[PageHandle, list[BufferPlace]]] = OrderedDict()
+        self._watchdog = Watchdog(call_timeout)
+        self._geometry = {n: (kv.num_layers(n), kv.row_bytes(n)) for n in kv.buffer_names}
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        tune_for_copies(self.device, [kv.row_bytes(n) for n in kv.buffer_names], page_tokens)
+        self._staging_for("layer_first")  # the common one: made and warmed up now
+
+    # -- public ---------------------------------------------------------------------------
+    def send(self, handle, token_pages, dst_pages, *, layers: int | None = None) -> Transfer:
+        """Write page ``i`` of the KV cache, the token slots ``token_pages[i]`` (int
+        ``[n, page_tokens]``; ``-1`` only as a suffix: a partial page, whose padding rows of
+        the receiver are left as they were), into page ``dst_pages[i]`` of the receiver
+        ``handle`` names, every layer of every buffer (``layers=None``) or layer ``layers``
+        of every buffer that has it. Returns a :class:`kvmove.Transfer` once the pages are
+        gathered (on a GPU: once the gather is enqueued, after the work the current stream
+        had at the call; ``Transfer.gathered`` tells when the KV rows may change); its
+        ``wait()`` gives one :class:`kvmove.Status` per page, ``OK`` or ``FAILED``.
+
+        Raises before any byte moves: ``ValueError`` for a receiver of another geometry (or
+        a malformed handle), ``-1`` other than as a page's suffix, a page without a token,
+        a destination named twice, or lengths that differ; ``IndexError`` for a token slot
+        or destination page out of range, or a layer out of range; ``TypeError`` for
+        indices that are not integers; :class:`kvmove.StagingFull` when no slots come free
+        within ``alloc_timeout``; :class:`kvmove.KVMoveError` once closed or when no
+        engine can be made."""
+        self._check_open()
+        target, places = self._target(handle)
+        layer = check_layer(layers, self.kv.max_layers)
+        pages, valid = self._check_pages(token_pages)
+        n = pages.shape[0]
+        dst = check_page_numbers(dst_pages, n, target.num_pages, "dst_pages")
+        staged = self._staging_for("page_first" if target.layout == "page_first"
+                                   else "layer_first")
+        transfer = Transfer([str(d) for d in dst.tolist()], kind="send",
+                            num_layers=self.kv.max_layers, device=self.device)
+        ordered = None
+        if self._stream is not None:
+            ordered = torch.cuda.Event()
+            ordered.record(torch.cuda.current_stream(self.device))
+        size = self.staging_slots
+        for first in range(0, n, size):
+            last = min(n, first + size)
+            try:
+                slots = staged.slots.alloc(last - first, layer, timeout=self.alloc_timeout)
+            except StagingFull:
+                if first == 0:
+                    raise
+                left = n - first
+                log.warning("no staging slots came free within %s s: %d pages not sent",
+                            self.alloc_timeout, left)
+                transfer.add_piece(first, TransferResult([Status.FAILED] * left,
+                                                         [STAGING_TIMEOUT] * left, 0))
+                break
+            job = None
+            try:
+                job = self._stage(staged, places, pages[first:last], dst[first:last],
+                                  valid[first:last], slots, layer, ordered)
+                self._submit(target.peer, job)
+            except BaseException:
+                if job is not None and job.gathered is not None:
+                    job.gathered.synchronize()  # the gather may still write the slots
+                staged.slots.free(slots, layer)
+                raise
+            transfer.add_piece(first, job.future)
+            if job.gathered is not None:
+                transfer.gathered = job.gathered
+        return transfer
+
+    def close(self) -> None:
+        """Wait for the transfers in flight (each write ends within ``call_timeout``),
+        destroy the engines, free the staging. Idempotent. A write the transport never
+        returned (a receiver that stopped answering at first contact) is left to its
+        thread, which destroys its engine and lets the staging go when it returns."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+        for link in links:
+            link.wait_finished()
+        self._watchdog.stop()
+        for staged in self._staged.values():
+            if staged.slots.wait_all_free(0):
+                staged.staging.close()
+            else:
+                log.warning("a write that never returned still reads the staging; it is "
+                            "freed when that write ends")
+
+    def __enter__(self) -> PageSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._links)} receiver(s)"
+        return (f"PageSender({self.staging_slots} slots x {self.page_tokens} tokens, "
+                f"{self.settings.protocol}, {state})")
+
+    # -- checks ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVMoveError("the PageSender is closed")
+
+    def _target(self, handle) -> tuple[PageHandle, list[BufferPlace]]:
+        """The receiver ``handle`` names, checked against this cache's geometry, and its
+        buffers' places in this cache's buffer order (parsed once per handle)."""
+        key = handle.encode() if isinstance(handle, PageHandle) else handle
+        with self._lock:
+            hit = self._targets.get(key) if isinstance(key, str) else None
+            if hit is not None:
+                self._targets.move_to_end(key)
+                return hit
+        target = PageHandle.parse(handle)
+        if target.geometry != self._geometry or target.page_tokens != self.page_tokens:
+            raise ValueError(
+                f"the receiver's pool differs from this sender's cache (buffer: (layers, row "
+                f"bytes)): receiver {target.geometry} in {target.page_tokens}-token pages, "
+                f"sender {self._geometry} in {self.page_tokens}-token pages")
+        by_name = {b.name: b for b in target.buffers}
+        hit = target, [by_name[name] for name in self.kv.buffer_names]
+        with self._lock:
+            self._targets[key] = hit
+            while len(self._targets) > HANDLES_KEPT:
+                self._targets.popitem(last=False)
+        return hit
+
+    def _check_pages(self, token_pages) -> tuple[torch.Tensor, np.ndarray]:
+        """The token slots as an int64 CPU tensor (a copy: the caller may reuse its own;
+        device indices are read on the host, which waits for the device) and each page's
+        valid tokens."""
+        pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
+        n, p = pages.shape
+        if n and p != self.page_tokens:
+            raise ValueError(f"token_pages has {p} tokens per page, the sender's page_tokens "
+                             f"is {self.page_tokens}")
+        host = pages.cpu().numpy().astype(np.int64, copy=True)
+        check_range(torch.from_numpy(host), self.kv.num_slots, "token_pages")
+        return torch.from_numpy(host), padded_page_lengths(host, "token_pages")
+
+    # -- steps ----------------------------------------------------------------------------
+    def _staging_for(self, layout: str) -> _Staged:
+        with self._lock:
+            staged = self._staged.get(layout)
+            if staged is None:
+                staged = _Staged(self.kv, layout, self.staging_slots, self.page_tokens,
+                                 self.backend)
+                if self._stream is not None:
+                    self._warm_up(staged)
+                self._staged[layout] = staged
+            return staged
+
+    def _warm_up(self, staged: _Staged) -> None:
+        """Compile (or load) every gather kernel now: one launch that skips its only row."""
+        skip = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        with torch.cuda.stream(self._stream):
+            for prepared in (staged.gather_all, *staged.gather_layer):
+                prepared.run(skip, skip, None)
+        self._stream.synchronize()
+
+    def _stage(self, staged: _Staged, places, pages: torch.Tensor, dst: np.ndarray,
+               valid: np.ndarray, slots: np.ndarray, layer: int | None, ordered) -> SendJob:
+        """Plan the spans of a piece and gather it into ``slots`` (given to the pages in
+        destination order, so that consecutive destinations get consecutive slots)."""
+        slot_of = np.empty_like(slots)
+        slot_of[np.argsort(dst, kind="stable")] = slots
+        plan = plan_spans(staged.places, places, slot_of, dst, valid, layer, self.page_tokens)
+        t0 = time.perf_counter()
+        gathered = None
+        prepared = staged.gather_of(layer)
+        slot_ids = torch.from_numpy(slot_of)
+        if self._stream is None:
+            copy_pages(prepared, pages, slot_ids, None)
+        else:
+            with torch.cuda.stream(self._stream):
+                if ordered is not None:
+                    self._stream.wait_event(ordered)
+                copy_pages(prepared, pages, slot_ids, None)
+                gathered = torch.cuda.Event()
+                gathered.record(self._stream)
+        return SendJob(plan, slots, layer, staged.slots, regions=staged.regions,
+                       gathered=gathered, gather_s=time.perf_counter() - t0,
+                       keep=staged.staging)
+
+    def _submit(self, peer: str, job: SendJob) -> None:
+        """Queue ``job`` on the link to ``peer``: a new link where there is none, or where
+        the last one broke, is gone (its engine destroyed: about a second after the
+        failure; a minute when the peer stopped answering at first contact) and its
+        back-off has passed (:data:`RETRY_AFTER_S`, doubling with each link in a row that
+        broke before a job went through, up to :data:`RETRY_AFTER_MAX_S`: a receiver that is
+        gone costs an engine now and then, not one per send). Until then the peer counts
+        as down: ``job`` ends ``FAILED`` (``NOT_SENT``) at once."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise KVMoveError("the PageSender is closed")
+                link = self._links.get(peer)
+                if link is None:
+                    link = self._links[peer] = PeerLink(peer, self.settings, self._watchdog)
+                elif not link.accepting:
+                    streak = 1 if link.jobs_ok else link.failed_before + 1
+                    back_off = min(RETRY_AFTER_S * 2 ** (streak - 1), RETRY_AFTER_MAX_S)
+                    if link.finished and time.monotonic() >= link.broken_at + back_off:
+                        link = self._links[peer] = PeerLink(peer, self.settings,
+                                                            self._watchdog)
+                        link.failed_before = streak
+                    else:
+                        link = None
+            if link is None:
+                job.finish(NOT_SENT)
+                job.release()
+                return
+            if link.submit(job):
+                return
