@@ -23,6 +23,7 @@ from rich.table import Table
 
 import kvmove
 from kvmove.cli.cluster_node import NodeProcess
+from kvmove.cli.node_logs import settle
 from kvmove.store.embedded_master import tcp_reachable
 
 BATCH = 64  # pages per command (each node's cache holds this many)
@@ -104,13 +105,7 @@ def run_main(args, console: Console) -> int:
         codes = [n.close() for n in nodes]
         if master is not None:
             master.stop()
-        if any(codes):
-            console.print(f"[bold red]process exit codes[/]: {codes}")
-            ok = False
-        if ok:
-            shutil.rmtree(logs, ignore_errors=True)
-        elif not verbose:
-            console.print(f"logs of the processes: {logs}")
+        ok = settle(console, logs, codes, ok, verbose)
     return 0 if ok else 1
 
 

@@ -29,13 +29,13 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmove.cli.synthetic_pages import ROWS
+
 ANSWER_TAG = "KVMOVE-NODE "
 SENTINEL = 0xA5
-ROWS = {"kv": 656, "indexer": 132}  # DSA FP8 MLA row bytes, fp8 indexer key + scale
 
 
 class ClusterNode:
@@ -59,10 +59,9 @@ class ClusterNode:
 
     def page_bytes(self, page: int, name: str):
         """The bytes of ``page`` in buffer ``name``: ``[layers, page_tokens, row]``."""
-        torch = self.torch
-        g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{page}".encode()))
-        shape = (self.layers, self.page_tokens, ROWS[name])
-        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        from kvmove.cli.synthetic_pages import page_bytes
+
+        return page_bytes(page, name, self.layers, self.page_tokens, ROWS[name])
 
     def _rows(self, count: int):
         torch = self.torch

@@ -15,7 +15,6 @@ import argparse
 import logging
 import sys
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -27,18 +26,13 @@ from rich.table import Table
 
 import kvmove
 from kvmove.cli import demo_options
+from kvmove.cli.synthetic_pages import page_bytes
 from kvmove.status import Status
 
 log = logging.getLogger("kvmove.cli.demo")
 
 KV_ROW = 656  # DSA FP8 MLA: 512 B fp8 nope + 64 rope bf16 (128 B) + scales (16 B)
 INDEXER_ROW = 132  # fp8 indexer key (128 B) + fp32 scale
-
-
-def page_bytes(page: int, name: str, layers: int, tokens: int, row: int) -> torch.Tensor:
-    """The bytes page ``page`` of buffer ``name`` was created with: ``[layers, tokens, row]``."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{page}".encode()))
-    return torch.randint(0, 256, (layers, tokens, row), dtype=torch.uint8, generator=g)
 
 
 @dataclass

@@ -29,8 +29,9 @@ import time
 import traceback
 from collections import Counter
 
+from kvmove.cli.synthetic_pages import ROWS
+
 SENTINEL = 0xA5
-ROWS = {"kv": 656, "indexer": 132}  # DSA FP8 MLA rows, fp8 indexer key + scale
 
 
 def _buffers(layers: int, indexer_layers: int) -> dict[str, int]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from kvmove.errors import KVMoveError
 from kvmove.store.config import ENV_VARS, TRANSPORT_FIELDS, StoreConfig, check_transport
+from kvmove.store.native_log import native_stderr_captured
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +120,16 @@ class Engine:
                     "the Mooncake Python package is not installed (pip install "
                     "mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda on a "
                     f"machine without CUDA): {e}") from e
-            engine = TransferEngine()
-            rc = engine.initialize(settings.local_hostname, settings.metadata_server,
-                                   settings.protocol, settings.rdma_devices)
+            with native_stderr_captured() as said:  # glog's set-up lines go to the logger
+                engine = TransferEngine()
+                rc = engine.initialize(settings.local_hostname, settings.metadata_server,
+                                       settings.protocol, settings.rdma_devices)
         if rc != 0:
             raise KVMoveError(
                 f"Mooncake TransferEngine.initialize({settings.local_hostname!r}, "
                 f"{settings.metadata_server!r}, {settings.protocol!r}, "
-                f"{settings.rdma_devices!r}) failed with code {rc}")
+                f"{settings.rdma_devices!r}) failed with code {rc}"
+                + (f"; Mooncake said: {' | '.join(said[-3:])}" if said else ""))
         self._engine = engine
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}  # address -> nbytes
