@@ -38,11 +38,13 @@ CLIENT_EXCEPTION = -1
 # kvmove's codes for keys that FAILED before reaching the store (never Mooncake's):
 BAD_ROWS = -10001  # a row index of the key's page was out of range (check=False, device indices)
 STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_timeout
+CALL_TIMEOUT = -10003  # the store call was given up at its bound (or not tried after one was)
 
 CODE_NAMES = {
     CLIENT_EXCEPTION: "INTERNAL_ERROR",
     BAD_ROWS: "KVMOVE_BAD_ROWS",
     STAGING_TIMEOUT: "KVMOVE_STAGING_TIMEOUT",
+    CALL_TIMEOUT: "KVMOVE_CALL_TIMEOUT",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
     REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
