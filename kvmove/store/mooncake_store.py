@@ -26,7 +26,8 @@ Statuses (API.md "The store"):
   one -> ``SIZE_MISMATCH``; the key gone -> ``MISS``; otherwise ``FAILED``.
 - ``remove``: ``0`` -> ``OK``; ``-704`` -> ``MISS``; anything else (``-706``: the key was
   read within the lease time and ``force`` was not given) -> ``FAILED``.
-- ``-707`` (lease expired during the transfer) is retried once for put and get.
+- ``-707`` (lease expired during the transfer) is retried once for put and get, and a put's
+  ``-800`` once (its replica went to a holder that died; a failed put leaves no object).
 
 Mooncake behaviours this relies on (0.3.13, verified against a real master by the tests):
 
@@ -821,7 +822,11 @@ class MooncakeStore:
             late.append(getattr(result, "late", None))
             for i, code in zip(todo, result, strict=True):
                 codes[i] = code
-            todo = [i for i in todo if codes[i] == LEASE_EXPIRED] if attempt == 0 else []
+            # Once more for a lease that expired mid-transfer, and for a transfer that failed
+            # (a replica placed on a holder that died: the master may pick a live one now;
+            # a failed put leaves no object behind).
+            todo = [i for i in todo if codes[i] in (LEASE_EXPIRED, TRANSFER_FAIL)] \
+                if attempt == 0 else []
         return _Codes(codes, settled(late))
 
     def get(self, desc: Descriptors) -> StoreResult:
