@@ -93,6 +93,7 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -583,8 +584,12 @@ class MooncakeStore:
         try:
             yield uses
         finally:
-            if uses.late is not None and not uses.late.done():
-                uses.late.add_done_callback(release)
+            late, uses.late = uses.late, None
+            if late is not None and not late.done():
+                # The caller's future completes once the regions are released too.
+                uses.late = Future()
+                late.add_done_callback(lambda _f, done=uses.late: (release(),
+                                                                   done.set_result(None)))
             else:
                 release()
 
@@ -799,7 +804,7 @@ class MooncakeStore:
             codes = self._chunked(self._span_chunks(desc),
                                   lambda c: self._put_chunk(client, desc[c], check))
             uses.late = codes.late
-        result = StoreResult(map(_put_status, codes), codes, codes.late)
+        result = StoreResult(map(_put_status, codes), codes, uses.late)
         self._log_outcome("put", desc.keys, result)
         return result
 
