@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallOutcome", "CallRunner", "SpanBudget", "call_bounded", "settled"]
+__all__ = ["CallOutcome", "CallRunner", "SpanBudget", "call_bounded", "default_runner",
+           "settled"]
 
 
 class CallRunner:
@@ -147,21 +148,31 @@ class SpanBudget:
         self.limit = limit
         self._cond = threading.Condition()
         self._used = 0
+        self._releases = 0  # progress: calls that returned
 
     def acquire(self, spans: int, timeout: float) -> int:
         """Wait until ``spans`` (at most ``limit``) are free and take them; the number taken,
-        or 0 when they did not come free within ``timeout`` seconds."""
+        or 0 when no call returned for ``timeout`` seconds while waiting (the transport
+        made no progress: calls that return, even slowly, keep a waiter waiting)."""
         want = max(1, min(spans, self.limit))
         with self._cond:
-            if not self._cond.wait_for(lambda: self._used + want <= self.limit,
-                                       max(0.0, timeout)):
-                return 0
+            seen = self._releases
+            deadline = time.monotonic() + timeout
+            while self._used + want > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if self._releases == seen:
+                        return 0
+                    seen, deadline = self._releases, time.monotonic() + timeout
+                    continue
+                self._cond.wait(left)
             self._used += want
         return want
 
     def release(self, spans: int) -> None:
         with self._cond:
             self._used -= spans
+            self._releases += 1
             self._cond.notify_all()
 
     @property

@@ -114,7 +114,13 @@ from kvmove.status import (
     Status,
     code_name,
 )
-from kvmove.store.bounded_call import CallOutcome, SpanBudget, call_bounded, settled
+from kvmove.store.bounded_call import (
+    CallOutcome,
+    SpanBudget,
+    call_bounded,
+    default_runner,
+    settled,
+)
 from kvmove.store.config import StoreConfig
 from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
 from kvmove.store.replica_reader import EndpointProbe, Replica, ReplicaReader, replicas_of
@@ -606,9 +612,10 @@ class MooncakeStore:
     def _bounded(self, fn: Callable, *args, spans: int = 0,
                  timeout: float | None = None) -> CallOutcome:
         """Run one Mooncake call, waiting at most ``timeout`` (``config.call_timeout``)
-        seconds; ``spans`` of it count against its client's span budget until it really
-        returns. A call given up is logged with its cause and its client replaced (for data
-        calls), see the module docstring."""
+        seconds once it started; ``spans`` of it count against its client's span budget
+        until it really returns (waiting for room there gives up when no call of the client
+        returned for ``timeout``). A call given up is logged with its cause and its client
+        replaced (for data calls), see the module docstring."""
         timeout = self.config.call_timeout if timeout is None else timeout
         client = getattr(fn, "__self__", None)
         budget = self._budgets.get(id(client)) if spans else None
@@ -618,10 +625,11 @@ class MooncakeStore:
             taken = budget.acquire(spans, timeout)
             if not taken:
                 log.warning("Mooncake %s not started: %d of %d spans of this client stayed in "
-                            "flight for %.1f s", getattr(fn, "__name__", "call"),
-                            budget.in_flight, budget.limit, timeout)
+                            "flight and none returned for %.1f s",
+                            getattr(fn, "__name__", "call"), budget.in_flight, budget.limit,
+                            timeout)
                 return CallOutcome(False, seconds=time.monotonic() - t0)
-        outcome = call_bounded(fn, *args, timeout=timeout - (time.monotonic() - t0),
+        outcome = call_bounded(fn, *args, timeout=timeout,
                                on_return=(lambda: budget.release(taken)) if taken else None)
         if not outcome.done:
             self._given_up(fn, client, outcome.late, spans, timeout)
@@ -764,25 +772,48 @@ class MooncakeStore:
 
     def _chunked(self, chunks: list[slice], run: Callable[[slice], list[int]]) -> _Codes:
         """The per-key codes of ``run(chunk)`` over ``chunks``, with the futures of calls
-        given up joined in ``late``. When every key of a chunk fails with an RPC error the
-        master is unreachable (each further call would wait ~4 s for Mooncake to
+        given up joined in ``late``. Chunks run in order, as many at a time as the client's
+        spans in flight allow (``inflight_spans // call_spans``; one at a time with
+        Mooncake's default TCP queues). When every key of a chunk fails with an RPC error
+        the master is unreachable (each further call would wait ~4 s for Mooncake to
         reconnect), and when a call was given up the transport or master is stuck: either
-        way the remaining keys get that code untried."""
+        way the chunks not started yet get that code untried."""
         n = chunks[-1].stop if chunks else 0
+        width = min(len(chunks), max(1, self.limits.inflight_spans // self.limits.call_spans))
+        parts: list = [None] * len(chunks)
+        taken = iter(range(len(chunks)))
+        lock = threading.Lock()
+        stop: list[int] = []  # the code that stops the call, once one chunk gave it
+
+        def work() -> None:  # run chunks, in order, until none is left or one stops the call
+            while True:
+                with lock:
+                    k = next(taken, None)
+                    if k is None or stop:
+                        return
+                part = parts[k] = run(chunks[k])
+                if _stops_the_call(part):
+                    with lock:
+                        stop.append(part[0] if _unreachable(part) else CALL_TIMEOUT)
+                    return
+
+        helpers = [default_runner().submit(work) for _ in range(width - 1)]
+        work()  # this thread is one of the ``width`` workers
+        for helper in helpers:
+            helper.result()  # each chunk's calls are bounded, so this is too
         codes: list[int] = []
-        late = []
-        for chunk in chunks:
-            part = run(chunk)
-            late.append(getattr(part, "late", None))
+        for chunk, part in zip(chunks, parts, strict=True):
+            if part is None:  # not tried: the call stopped first
+                part = [stop[0]] * (chunk.stop - chunk.start)
             codes += part
-            if len(codes) < n and _stops_the_call(part):
-                code = part[0] if _unreachable(part) else CALL_TIMEOUT
-                log.warning("%s; %d keys not tried", f"master {self.address} unreachable "
-                            f"({code_name(code)})" if _unreachable(part) else
-                            "a Mooncake call was given up", n - len(codes))
-                codes += [code] * (n - len(codes))
-                break
-        return _Codes(codes, settled(late))
+        if stop and any(p is None for p in parts):
+            untried = sum(c.stop - c.start for c, p in zip(chunks, parts, strict=True)
+                          if p is None)
+            log.warning("%s; %d keys not tried", f"master {self.address} unreachable "
+                        f"({code_name(stop[0])})" if stop[0] != CALL_TIMEOUT else
+                        "a Mooncake call was given up", untried)
+        assert len(codes) == n
+        return _Codes(codes, settled(getattr(p, "late", None) for p in parts))
 
     @staticmethod
     def _check_desc(desc) -> Descriptors:
