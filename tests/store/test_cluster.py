@@ -7,8 +7,13 @@ its own KV cache, store client and mover; nothing mocked):
   with exact bytes, ``FAILED`` or ``MISS``, never wrong bytes, its other rows untouched;
   within the master's client TTL (plus a heartbeat) the lost objects read ``MISS``;
 - with ``replicas=2``: after the same SIGKILL, every page reads back exact from its
-  surviving replica once the master has dropped the dead process; the time it took is
-  printed (``-s``) and recorded as a test property;
+  surviving replica in the first read after the kill (replica failover within the call);
+  the time it took is printed (``-s``) and recorded as a test property;
+- 128 DSA-sized pages (61 layers x 16 tokens x 656 B) evicted by one process into two
+  store-only processes and prefetched by another, all ``OK`` and exact (batches cut to
+  what the TCP transport carries, with raised and with Mooncake's default queues);
+- (long run, ``KVMOVE_CLUSTER_SOAK_SECONDS``) a holder stopped with SIGSTOP: the engine's
+  prefetch ends ``FAILED`` at its bound, and the engine stays usable;
 - two stores in one process (one master, or two embedded ones) both work.
 
 Every process is bounded by timeouts and exits on its own (``NodeProcess.close``).
@@ -140,6 +145,9 @@ def test_128_dsa_pages_evicted_in_one_process_prefetched_in_another(master, hold
         writer.close()
 
 
+@pytest.mark.skipif(not os.environ.get("KVMOVE_CLUSTER_SOAK_SECONDS"),
+                    reason="long run (KVMOVE_CLUSTER_SOAK_SECONDS): the core suite has the "
+                           "in-process version, tests/store/test_bounded_call.py")
 def test_a_stalled_holder_gives_failed_within_the_bound_and_everything_stays_usable(
         holders, nodes):
     bound = 3.0
@@ -226,14 +234,10 @@ def test_two_replicas_lose_no_page_when_a_holder_dies(nodes, record_property):
     assert_clean(first)
     assert first["statuses"] == ["ok"] * len(PAGES), Counter(first["statuses"])
     assert first["bytes"] == len(PAGES) * 4 * 16 * (656 + 132)
-    # And every later read too, across the master dropping the dead process.
+    # And the next read too (the master may drop the dead process meanwhile).
     second = reader.call("prefetch", pages=PAGES)
     assert second["statuses"] == ["ok"] * len(PAGES)
     assert_clean(second)
-    time.sleep(DEFAULT_CLIENT_TTL_S + 1)
-    later = reader.call("prefetch", pages=PAGES)
-    assert later["statuses"] == ["ok"] * len(PAGES)
-    assert_clean(later)
     record_property("seconds_to_first_exact_read", round(took, 2))
     print(f"\nreplicas=2: the first read after the kill: every page exact, "
           f"{first['seconds']:.2f} s for the call, {took:.2f} s after the kill")

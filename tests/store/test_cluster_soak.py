@@ -11,7 +11,7 @@ ended), every call answered within the bound (the node's call timeout is below M
 own 60-s cap), and the engine's resident memory flat. Figures (cycles, kills, bytes
 compared, worst call time, memory) are printed at the end.
 
-``KVMOVE_CLUSTER_SOAK_SECONDS`` sets the duration (default 20: the core suite's short run);
+``KVMOVE_CLUSTER_SOAK_SECONDS`` sets the duration (default 12: the core suite's short run);
 the closing note's figures come from ``KVMOVE_CLUSTER_SOAK_SECONDS=300``.
 """
 
@@ -35,7 +35,7 @@ from tests.support.process_table import wait_gone
 
 pytestmark = [pytest.mark.soak, pytest.mark.store]
 
-SECONDS = float(os.environ.get("KVMOVE_CLUSTER_SOAK_SECONDS", "20"))
+SECONDS = float(os.environ.get("KVMOVE_CLUSTER_SOAK_SECONDS", "12"))
 CALL_TIMEOUT_S = 10.0  # the engine's StoreConfig.call_timeout (the default)
 ANSWER_BOUND_S = 45.0  # every engine call answers within this (Mooncake's own cap is 60 s)
 RSS_GROWTH_BOUND = 64 << 20  # engine memory growth allowed after warm-up
