@@ -242,6 +242,7 @@ class _ClientState:
         self.in_use: Counter = Counter()  # address -> put/get calls using the region now
         self.stale: deque = deque()  # regions of garbage-collected staging buffers
         self.retired: list[_Retired] = []  # replaced clients not closed yet
+        self.retired_lock = threading.Lock()  # guards ``retired`` (and a retired client's close)
         self.late: set = set()  # futures of Mooncake calls given up and still running
         self.late_on: Counter = Counter()  # id(client) -> its calls given up and running
         self.reader: ReplicaReader | None = None  # replica failover reads (made lazily)
@@ -274,7 +275,11 @@ def _shutdown(state: _ClientState) -> None:
     if state.reader is not None:
         with contextlib.suppress(Exception):
             state.reader.close()
-    retired, state.retired = state.retired, []
+    with state.retired_lock:
+        retired, state.retired = state.retired, []
+        closing = [r.client for r in retired if r.client is not None]
+        for r in retired:
+            r.client = None
     for address in list(state.registered):
         with contextlib.suppress(Exception):
             client.unregister_buffer(address)
@@ -284,7 +289,7 @@ def _shutdown(state: _ClientState) -> None:
             state.master.restart()
         except StoreError as e:
             log.warning("could not restart the embedded master for a quick close: %s", e)
-    for old in [r.client for r in retired if r.client is not None] + [client]:
+    for old in [*closing, client]:
         try:
             old.close()
         except Exception:
@@ -662,6 +667,7 @@ class MooncakeStore:
             if state.late_on[id(client)] > 0:
                 return
             del state.late_on[id(client)]
+        with state.retired_lock:
             retired = next((r for r in state.retired if r.client is client), None)
         log.info("a Mooncake call given up earlier has returned")
         if retired is not None:
@@ -694,7 +700,8 @@ class MooncakeStore:
                 self._budgets[id(new)] = SpanBudget(self.limits.inflight_spans)
                 holds = old is self._segment_client
                 retired = _Retired(old, list(state.registered), holds)
-                state.retired.append(retired)
+                with state.retired_lock:
+                    state.retired.append(retired)
                 state.client = self._client = new
                 done = not state.late_on[id(old)]
             log.warning("replaced the Mooncake client after a call was given up (%d client(s) "
@@ -709,18 +716,21 @@ class MooncakeStore:
         master is unreachable (a close would block for seconds; the store's close does it)."""
         state = self._state
         with self._register_lock:
-            if retired not in state.retired or retired.client is None:
-                return
             client = retired.client
+            if client is None:
+                return
             for address in retired.regions:
                 with contextlib.suppress(Exception):
                     client.unregister_buffer(address)
             retired.regions = []
             self._budgets.pop(id(client), None)
-            if retired.holds_segment:
-                return
-            host, _, port = self.address.rpartition(":")
-            if not tcp_reachable(host.strip("[]"), int(port), 0.5):
+        if retired.holds_segment:
+            return
+        host, _, port = self.address.rpartition(":")
+        if not tcp_reachable(host.strip("[]"), int(port), 0.5):
+            return
+        with state.retired_lock:  # the store's close may take it first
+            if retired not in state.retired or retired.client is None:
                 return
             state.retired.remove(retired)
             retired.client = None
