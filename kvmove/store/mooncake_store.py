@@ -43,14 +43,17 @@ Mooncake behaviours this relies on (0.3.13, verified against a real master by th
 Batches are cut to what the transport carries: calls of at most ``config.max_batch_keys``
 keys and at most the transport's spans per call, with at most its spans in flight per client
 (:mod:`kvmove.store.transport_limits`, the one place those limits live; over TCP the store
-raises Mooncake's per-peer queues before set-up unless the user set them).
+raises Mooncake's per-peer queues before set-up unless the user set them). The calls of one
+put/get run side by side as far as the spans in flight allow.
 
 No call hangs (:mod:`kvmove.store.bounded_call`): every Mooncake call (a batch, or one master
-RPC) is waited for at most ``config.call_timeout`` seconds. A call still running then is
-given up: its keys end ``FAILED`` (code ``CALL_TIMEOUT``, the cause in the log) and the rest
-of that put/get/exists/remove is not tried (same code), so a put or get ends within its
-healthy batches' time plus one ``call_timeout`` (a get's replica failover, below, adds at
-most one more). Mooncake may still write into (get) or read from (put) the memory of a call
+RPC) is waited for at most ``config.call_timeout`` seconds once started, and a call waiting
+for room in the transport's queue gives up when no call of its client returned for that
+long. A call given up ends its keys ``FAILED`` (code ``CALL_TIMEOUT``, the cause in the log)
+and the calls of that put/get/exists/remove not started yet are not tried (same code), so a
+put or get ends at most about one ``call_timeout`` after the transport stopped making
+progress on it (a get's replica failover, below, adds at most one more). Mooncake may still
+write into (get) or read from (put) the memory of a call
 given up until it really returns (its own cap is 60 s): the result's ``late`` future
 completes then, and until then the store keeps the regions in use (``unregister`` refuses
 them) and a caller must not free or reuse that memory (:class:`kvmove.KVMover` holds the
@@ -769,6 +772,8 @@ class MooncakeStore:
         """Consecutive keys of ``desc`` cut into calls of at most ``max_batch_keys`` keys and
         ``limits.call_spans`` spans (a key with more spans than that goes alone)."""
         n, step, cap = len(desc), self.config.max_batch_keys, self.limits.call_spans
+        if n == 0:
+            return []
         if n <= step and desc.num_spans <= cap:
             return [slice(0, n)]
         total = np.cumsum(np.fromiter(map(len, desc.ptrs), dtype=np.int64, count=n))
