@@ -155,6 +155,7 @@ class KVMover:
         self._lock = threading.Lock()
         self._stats = MoverStats(statuses={s: 0 for s in Status})
         self._closed = False
+        self._late_slots = 0  # staging slots held for store calls given up (see _free_after)
         store.register(self.staging)
 
     def _warm_up(self) -> None:
@@ -282,6 +283,15 @@ class KVMover:
         self._executor.shutdown(wait=True)
         if not first:
             return
+        with self._lock:
+            late = self._late_slots
+        if late:  # the last store call given up releases the staging when it returns
+            log.warning("closing the mover: %d staging slots stay allocated until the store "
+                        "calls given up on them return (Mooncake's cap is 60 s)", late)
+            return
+        self._release_staging()
+
+    def _release_staging(self) -> None:
         unregister = getattr(self.store, "unregister", None)
         if unregister is not None:
             try:
@@ -291,6 +301,27 @@ class KVMover:
         # Every transfer has ended (the executor is shut down), so every slot is free: a
         # slot still allocated here is the caller's own (staging.alloc), in use or not.
         self.staging.close(timeout=5.0)
+
+    def _free_after(self, slots: torch.Tensor, late) -> None:
+        """Return ``slots`` to the staging, at once or, when a store call on them was given
+        up (``late``: its future), only once that call has really returned: until then
+        Mooncake may still write into (get) or read from (put) their memory."""
+        if late is None or late.done():
+            self.staging.free(slots)
+            return
+        with self._lock:
+            self._late_slots += len(slots)
+        log.warning("%d staging slots held until a store call given up on them returns",
+                    len(slots))
+        late.add_done_callback(lambda _f: self._late_freed(slots))
+
+    def _late_freed(self, slots: torch.Tensor) -> None:
+        self.staging.free(slots)
+        with self._lock:
+            self._late_slots -= len(slots)
+            last = self._closed and self._late_slots == 0
+        if last:
+            self._release_staging()
 
     def __enter__(self) -> KVMover:
         return self
@@ -356,6 +387,7 @@ class KVMover:
         times = StageTimes(gather=gather_s)
         n = len(piece.keys)
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
+        late = None
         try:
             if gathered is not None:
                 gathered.synchronize()
@@ -372,12 +404,12 @@ class KVMover:
                 times.gather += time.perf_counter() - t0
             desc = self._describe(kept, [piece.keys[i] for i in good.tolist()], valid)
             t0 = time.perf_counter()
-            got, got_codes = self._store_call(self.store.put, desc)
+            got, got_codes, late = self._store_call(self.store.put, desc)
             times.put = time.perf_counter() - t0
             for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
                 statuses[i], codes[i] = st, code
         finally:
-            self.staging.free(slots)
+            self._free_after(slots, late)
         result = TransferResult(statuses, codes, _ok_bytes(desc, got), times)
         self._count(result, put=True)
         return result
@@ -393,12 +425,13 @@ class KVMover:
                 except StagingFull:
                     results.append(self._unstaged(n - first))
                     break
+                late = []
                 try:
                     result, event = self._get_piece(
                         call.piece(first, last), slots, layerwise and last == n, progress,
-                        call.ordered)  # every piece: the first may scatter nothing
+                        call.ordered, late)  # every piece: the first may scatter nothing
                 finally:
-                    self.staging.free(slots)
+                    self._free_after(slots, late[0] if late else None)
                 results.append(result)
             progress.all_done(event)
         finally:
@@ -406,11 +439,13 @@ class KVMover:
         return join_results(results) if results else TransferResult([], [], 0)
 
     def _get_piece(self, piece: Call, slots: torch.Tensor, layerwise: bool,
-                   progress: LayerProgress, ordered) -> tuple[TransferResult, object]:
+                   progress: LayerProgress, ordered, late: list
+                   ) -> tuple[TransferResult, object]:
         times = StageTimes()
         t0 = time.perf_counter()
         desc = self._describe(slots, piece.keys, piece.valid)
-        statuses, codes = self._store_call(self.store.get, desc)
+        statuses, codes, given_up = self._store_call(self.store.get, desc)
+        late.append(given_up)  # a get given up may still write into these slots
         if self._checksum is not None:
             self._verify(slots, piece.valid, statuses, codes)
         times.get = time.perf_counter() - t0
@@ -477,18 +512,19 @@ class KVMover:
                 statuses[i], codes[i] = Status.FAILED, CHECKSUM_MISMATCH
                 log.warning("object %s failed its checksum; not scattered", i)
 
-    def _store_call(self, op, desc: Descriptors) -> tuple[list[Status], list[int]]:
-        """Run a store put/get; an exception becomes FAILED for every key, never lost."""
+    def _store_call(self, op, desc: Descriptors) -> tuple[list[Status], list[int], object]:
+        """Run a store put/get; an exception becomes FAILED for every key, never lost. The
+        third item is the future of store calls given up on this memory, or None."""
         if len(desc) == 0:
-            return [], []
+            return [], [], None
         try:
             statuses = op(desc)
         except Exception as e:
             log.warning("%s of %d keys failed: %s", getattr(op, "__name__", "store call"),
                         len(desc), e)
-            return [Status.FAILED] * len(desc), [-1] * len(desc)
+            return [Status.FAILED] * len(desc), [-1] * len(desc), None
         codes = list(getattr(statuses, "codes", [0 if s is Status.OK else -1 for s in statuses]))
-        return list(statuses), codes
+        return list(statuses), codes, getattr(statuses, "late", None)
 
 
 @dataclass

@@ -41,6 +41,7 @@ STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_
 # kvmove's codes for pages of a direct send (kvmove.PageSender) that FAILED:
 WRITE_TIMEOUT = -10003  # a write to the receiver did not return within the call timeout
 NOT_SENT = -10004  # not tried: an earlier write to the same receiver had failed
+CALL_TIMEOUT = -10005  # the store call was given up at its bound (or not tried after one was)
 
 CODE_NAMES = {
     CLIENT_EXCEPTION: "INTERNAL_ERROR",
@@ -48,6 +49,7 @@ CODE_NAMES = {
     STAGING_TIMEOUT: "KVMOVE_STAGING_TIMEOUT",
     WRITE_TIMEOUT: "KVMOVE_WRITE_TIMEOUT",
     NOT_SENT: "KVMOVE_NOT_SENT",
+    CALL_TIMEOUT: "KVMOVE_CALL_TIMEOUT",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
     REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",

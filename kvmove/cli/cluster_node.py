@@ -7,12 +7,16 @@ Every page has fixed bytes (a function of the page number and the buffer only), 
 process can check what another evicted. Commands and answers:
 
 - ``{"op": "evict", "pages": [..]}`` writes each page's bytes into the hot buffer and evicts
-  it; answers ``{"statuses": [..]}``.
+  it; answers ``{"statuses": [..], "seconds"}``; with ``"where": true`` also ``"replicas"``:
+  per page the transport endpoints of the holders of its replicas (``[]`` when not stored).
 - ``{"op": "prefetch", "pages": [..]}`` fills the target rows with a sentinel, prefetches,
   then checks every row: a page whose status is ``ok`` must hold exactly its bytes (else it
   is listed in ``"wrong"``), the rows of any other page must still hold the sentinel (else
   it is listed in ``"touched"``). Answers ``{"statuses", "wrong", "touched", "seconds",
   "bytes"}``.
+- ``{"op": "stats"}`` answers ``{"free_slots", "slots", "rss", "threads"}``: the mover's
+  free staging slots (slots held for store calls given up come back when those return), this
+  process's resident memory in bytes and its thread count.
 - ``{"op": "exit"}`` closes the mover and the store and ends the process.
 
 Answers are written to standard output as one line starting with ``ANSWER_TAG`` (any other
@@ -22,6 +26,7 @@ output, Mooncake's included, is not an answer). :class:`NodeProcess` is the pare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -42,7 +47,7 @@ class ClusterNode:
     """The in-process side: a cache of ``resident`` pages, a store, a mover."""
 
     def __init__(self, store, *, layers: int, page_tokens: int, resident: int,
-                 key_prefix: str):
+                 key_prefix: str, rows: dict[str, int] | None = None):
         import torch
 
         import kvmove
@@ -50,9 +55,10 @@ class ClusterNode:
         self.torch = torch
         self.store = store
         self.layers, self.page_tokens, self.resident = layers, page_tokens, resident
+        self.rows = dict(rows or ROWS)
         slots = resident * page_tokens
         self.buffers = {name: torch.zeros(layers, slots, row, dtype=torch.uint8)
-                        for name, row in ROWS.items()}
+                        for name, row in self.rows.items()}
         self.kv = kvmove.KVCache(self.buffers)
         self.mover = kvmove.KVMover(self.kv, store, page_tokens=page_tokens,
                                     staging_slots=resident, key_prefix=key_prefix)
@@ -61,7 +67,7 @@ class ClusterNode:
         """The bytes of ``page`` in buffer ``name``: ``[layers, page_tokens, row]``."""
         from kvmove.cli.synthetic_pages import page_bytes
 
-        return page_bytes(page, name, self.layers, self.page_tokens, ROWS[name])
+        return page_bytes(page, name, self.layers, self.page_tokens, self.rows[name])
 
     def _rows(self, count: int):
         torch = self.torch
@@ -73,13 +79,32 @@ class ClusterNode:
     def keys(pages: Sequence[int]) -> list[str]:
         return [f"p{p}" for p in pages]
 
-    def evict(self, pages: Sequence[int]) -> dict:
+    def evict(self, pages: Sequence[int], where: bool = False) -> dict:
         rows = self._rows(len(pages))
         for name, buf in self.buffers.items():
             want = self.torch.stack([self.page_bytes(p, name) for p in pages], dim=1)
-            buf[:, rows.reshape(-1)] = want.reshape(self.layers, -1, ROWS[name])
+            buf[:, rows.reshape(-1)] = want.reshape(self.layers, -1, self.rows[name])
+        t0 = time.perf_counter()
         statuses = self.mover.evict(self.keys(pages), rows).wait()
-        return {"statuses": [s.value for s in statuses]}
+        answer = {"statuses": [s.value for s in statuses],
+                  "seconds": time.perf_counter() - t0}
+        if where:
+            keys = self.mover.keyspace.store_keys(self.keys(pages))
+            answer["replicas"] = [[r.endpoint for r in found]
+                                  for found in self.store.replicas(keys)]
+        return answer
+
+    def stats(self) -> dict:
+        import threading
+
+        rss = 0
+        with contextlib.suppress(OSError), open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        staging = self.mover.staging
+        return {"free_slots": staging.num_free, "slots": staging.num_slots, "rss": rss,
+                "threads": threading.active_count()}
 
     def prefetch(self, pages: Sequence[int]) -> dict:
         rows = self._rows(len(pages))
@@ -120,9 +145,11 @@ def serve(node: ClusterNode, commands, answers) -> None:
             break
         try:
             if op == "evict":
-                answer = node.evict(command["pages"])
+                answer = node.evict(command["pages"], bool(command.get("where")))
             elif op == "prefetch":
                 answer = node.prefetch(command["pages"])
+            elif op == "stats":
+                answer = node.stats()
             else:
                 answer = {"error": f"unknown op {op!r}"}
         except Exception as e:  # answered, so the parent sees why
@@ -140,14 +167,22 @@ def main(argv=None) -> int:
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per page")
     p.add_argument("--resident", type=int, default=64, help="pages of KV cache")
     p.add_argument("--key-prefix", default="cluster", help="namespace of the keys")
+    p.add_argument("--rows", default=",".join(f"{k}={v}" for k, v in ROWS.items()),
+                   help="buffers and their row bytes, e.g. 'kv=656,indexer=132'")
     args = p.parse_args(argv)
+    rows = {}
+    for item in args.rows.split(","):
+        name, _, size = item.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            p.error(f"--rows: {item!r} is not name=bytes")
+        rows[name] = int(size)
     import kvmove
 
     store = kvmove.MooncakeStore(kvmove.StoreConfig.from_env(
         master_address=args.master, replicas=args.replicas, global_segment_size=args.segment,
         local_hostname=os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")))
     node = ClusterNode(store, layers=args.layers, page_tokens=args.page_tokens,
-                       resident=args.resident, key_prefix=args.key_prefix)
+                       resident=args.resident, key_prefix=args.key_prefix, rows=rows)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     answers.write(ANSWER_TAG + json.dumps({"ready": os.getpid()}) + "\n")
     answers.flush()
@@ -166,11 +201,13 @@ class NodeProcess:
     def __init__(self, master: str, *, log_path: str | os.PathLike | None, replicas: int = 1,
                  segment: str = "256mb", layers: int = 4, page_tokens: int = 16,
                  resident: int = 64, key_prefix: str = "cluster", env: dict | None = None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, rows: dict[str, int] | None = None):
         argv = [sys.executable, "-m", "kvmove.cli.cluster_node", f"--master={master}",
                 f"--replicas={replicas}", f"--segment={segment}", f"--layers={layers}",
                 f"--page-tokens={page_tokens}", f"--resident={resident}",
                 f"--key-prefix={key_prefix}"]
+        if rows:
+            argv.append("--rows=" + ",".join(f"{k}={v}" for k, v in rows.items()))
         self.log_path = None if log_path is None else Path(log_path)
         environ = {**os.environ, **(env or {})}
         environ.setdefault("MC_LOG_LEVEL", "ERROR")

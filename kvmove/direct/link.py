@@ -23,11 +23,11 @@ import threading
 import time
 from collections import deque
 
-from kvmove.direct.engine import Engine, TransportSettings
 from kvmove.direct.job import SendJob
 from kvmove.direct.watchdog import Watchdog
 from kvmove.errors import KVMoveError
 from kvmove.status import CLIENT_EXCEPTION, NOT_SENT, WRITE_TIMEOUT, code_name
+from kvmove.store.transfer_engine import Engine, TransportSettings
 
 log = logging.getLogger(__name__)
 

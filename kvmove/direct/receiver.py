@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from kvmove.direct.engine import Engine, TransportSettings
 from kvmove.direct.handle import BufferPlace, PageHandle
 from kvmove.memory.host_pool import HostPool
+from kvmove.store.transfer_engine import Engine, TransportSettings
 
 
 def _close(engine: Engine, pool: HostPool) -> None:

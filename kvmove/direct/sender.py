@@ -20,7 +20,6 @@ from kvmove.checks import (
     check_seconds,
     padded_page_lengths,
 )
-from kvmove.direct.engine import TransportSettings
 from kvmove.direct.handle import BufferPlace, PageHandle
 from kvmove.direct.job import SendJob
 from kvmove.direct.link import PeerLink
@@ -33,6 +32,7 @@ from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.moves import copy_pages
 from kvmove.rows.prepared import prepared_copy, resolve_backend
 from kvmove.status import NOT_SENT, STAGING_TIMEOUT, Status
+from kvmove.store.transfer_engine import TransportSettings
 from kvmove.transfer import Transfer, TransferResult
 from kvmove.tuning.autotune import tune_for_copies
 

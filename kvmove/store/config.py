@@ -15,6 +15,7 @@ variable                                  field                       default
 ``MOONCAKE_LOCAL_BUFFER_SIZE``            ``local_buffer_size``       16 MiB
 ``MOONCAKE_LOCAL_HOSTNAME``               ``local_hostname``          ``localhost``
 ``KVMOVE_REPLICAS``                       ``replicas``                1
+``KVMOVE_CALL_TIMEOUT``                   ``call_timeout``            10 (seconds)
 ========================================  ==========================  =====================
 
 Sizes are plain byte counts or numbers with a unit, as SGLang and Mooncake accept them:
@@ -63,6 +64,7 @@ ENV_VARS = {
     "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
     "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
     "KVMOVE_REPLICAS": "replicas",
+    "KVMOVE_CALL_TIMEOUT": "call_timeout",
 }
 
 # Mooncake's own JSON config names (MOONCAKE_CONFIG_PATH files) -> field.
@@ -182,6 +184,12 @@ class StoreConfig:
     call; larger batches are split) and ``detect_exists`` (ask the master which keys exist
     before a put, so that ``put`` can report ``Status.EXISTS``: Mooncake 0.3.13 answers ``0``
     for a put of an existing key).
+
+    The bound (README "Clusters"): ``call_timeout`` (seconds, default 10) is the longest
+    kvmove waits for one Mooncake call; a call still running then is given up and its keys
+    end ``FAILED``. ``max_call_spans`` / ``max_inflight_spans``: spans per Mooncake call and
+    in flight per client (``None``: the measured figures for the protocol,
+    :mod:`kvmove.store.transport_limits`).
     """
 
     master_address: str
@@ -195,6 +203,9 @@ class StoreConfig:
     connect_timeout: float = 5.0
     max_batch_keys: int = 1024
     detect_exists: bool = True
+    call_timeout: float = 10.0
+    max_call_spans: int | None = None
+    max_inflight_spans: int | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -222,6 +233,21 @@ class StoreConfig:
         set_(self, "connect_timeout", timeout)
         if not isinstance(self.detect_exists, bool):
             raise ValueError(f"detect_exists must be a bool, got {self.detect_exists!r}")
+        try:
+            bound = float(self.call_timeout)
+        except (TypeError, ValueError):
+            bound = -1.0
+        if not 0 < bound < float("inf") or isinstance(self.call_timeout, bool):
+            raise ValueError(f"call_timeout must be positive seconds, got {self.call_timeout!r}")
+        set_(self, "call_timeout", bound)
+        for name in ("max_call_spans", "max_inflight_spans"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().isdigit():
+                value = int(value)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            set_(self, name, value)
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod

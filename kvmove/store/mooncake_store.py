@@ -26,7 +26,8 @@ Statuses (API.md "The store"):
   one -> ``SIZE_MISMATCH``; the key gone -> ``MISS``; otherwise ``FAILED``.
 - ``remove``: ``0`` -> ``OK``; ``-704`` -> ``MISS``; anything else (``-706``: the key was
   read within the lease time and ``force`` was not given) -> ``FAILED``.
-- ``-707`` (lease expired during the transfer) is retried once for put and get.
+- ``-707`` (lease expired during the transfer) is retried once for put and get, and a put's
+  ``-800`` once (its replica went to a holder that died; a failed put leaves no object).
 
 Mooncake behaviours this relies on (0.3.13, verified against a real master by the tests):
 
@@ -39,7 +40,36 @@ Mooncake behaviours this relies on (0.3.13, verified against a real master by th
 - ``close()`` of a client whose master is gone blocks ~10-20 s with the GIL held (see
   :func:`_shutdown`).
 
-Large batches are split into calls of at most ``config.max_batch_keys`` keys.
+Batches are cut to what the transport carries: calls of at most ``config.max_batch_keys``
+keys and at most the transport's spans per call, with at most its spans in flight per client
+(:mod:`kvmove.store.transport_limits`, the one place those limits live; over TCP the store
+raises Mooncake's per-peer queues before set-up unless the user set them). The calls of one
+put/get run side by side as far as the spans in flight allow.
+
+No call hangs (:mod:`kvmove.store.bounded_call`): every Mooncake call (a batch, or one master
+RPC) is waited for at most ``config.call_timeout`` seconds once started, and a call waiting
+for room in the transport's queue gives up when no call of its client returned for that
+long. A call given up ends its keys ``FAILED`` (code ``CALL_TIMEOUT``, the cause in the log)
+and the calls of that put/get/exists/remove not started yet are not tried (same code), so a
+put or get ends at most about one ``call_timeout`` after the transport stopped making
+progress on it (a get's replica failover, below, adds at most one more). Mooncake may still
+write into (get) or read from (put) the memory of a call
+given up until it really returns (its own cap is 60 s): the result's ``late`` future
+completes then, and until then the store keeps the regions in use (``unregister`` refuses
+them) and a caller must not free or reuse that memory (:class:`kvmove.KVMover` holds the
+staging slots). A client whose call was given up may be broken towards that holder for good
+(a wedged TCP queue), so the store replaces it: a new client (no segment of its own; the
+first client stays open while it holds this process's segment), the same regions
+registered again. Calls already running on the old client finish there.
+
+Replica failover (:mod:`kvmove.store.replica_reader`): a key whose get failed in transport
+(``-800``: its first-listed replica's holder is dead) and that has another complete replica
+on a live holder is read from that replica, directly, within the same call: the keys are
+leased (``batch_is_exist``), their replicas listed, dead holders found by a TCP probe of
+their endpoint, the live replica read into the key's own spans by a Transfer Engine of the
+store's own, and the key counts ``OK`` only when that replica is still listed at the same
+address and size afterwards. Keys of a call given up are never read again (Mooncake may
+still write into their spans).
 
 Threads: Mooncake's client is thread-safe and releases the GIL. The store's own lock guards
 only its bookkeeping (registered regions, the open/closed state, the count of calls in
@@ -62,15 +92,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
 from kvmove.descriptors import Descriptors, check_keys
 from kvmove.errors import StoreError
 from kvmove.status import (
+    CALL_TIMEOUT,
     CLIENT_EXCEPTION,
     INVALID_PARAMS,
     LEASE_EXPIRED,
@@ -84,9 +117,18 @@ from kvmove.status import (
     Status,
     code_name,
 )
+from kvmove.store.bounded_call import (
+    CallOutcome,
+    SpanBudget,
+    call_bounded,
+    default_runner,
+    settled,
+)
 from kvmove.store.config import StoreConfig
 from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
 from kvmove.store.native_log import native_stderr_captured, quiet_mooncake_log
+from kvmove.store.replica_reader import EndpointProbe, Replica, ReplicaReader, replicas_of
+from kvmove.store.transport_limits import limits_for, prepare_environment
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +150,18 @@ class StoreResult(list):
     """One entry per key, in key order (``Status``, or ``bool`` for ``exists``), with
     ``codes``: Mooncake's raw result of each key (a byte count for a successful get, ``0``
     for other successes, a negative Mooncake error code otherwise; ``-705`` for a put
-    skipped because the key exists, ``-1`` when the Mooncake call raised)."""
+    skipped because the key exists, ``-1`` when the Mooncake call raised,
+    ``kvmove.status.CALL_TIMEOUT`` for a call given up at ``call_timeout``), and ``late``:
+    ``None``, or a future that completes when the Mooncake calls given up have really
+    returned (until then they may still write into, or read from, the memory of the
+    descriptors: do not free or reuse it)."""
 
-    __slots__ = ("codes",)
+    __slots__ = ("codes", "late")
 
-    def __init__(self, values: Iterable = (), codes: Iterable[int] = ()):
+    def __init__(self, values: Iterable = (), codes: Iterable[int] = (), late=None):
         super().__init__(values)
         self.codes = list(codes)
+        self.late = late
 
     @property
     def all_ok(self) -> bool:
@@ -149,6 +196,47 @@ def _unreachable(codes: list[int]) -> bool:
     return bool(codes) and all(c in (RPC_FAIL, RPC_TIMEOUT) for c in codes)
 
 
+def _stops_the_call(codes: list[int]) -> bool:
+    """Whether the rest of a put/get/exists/remove is not tried after this chunk: the
+    master is unreachable, or a Mooncake call was given up at its bound."""
+    return _unreachable(codes) or CALL_TIMEOUT in codes
+
+
+# The Mooncake calls that move bytes (their spans count against the transport's queue).
+_DATA_CALLS = frozenset({"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"})
+# Seconds close() waits for calls given up to return (Mooncake's own cap is 60 s).
+_LATE_CLOSE_WAIT_S = 75.0
+
+
+class _Codes(list):
+    """A Mooncake call's per-key codes; ``late``: the call given up, when it was."""
+
+    __slots__ = ("late",)
+
+    def __init__(self, values, late=None):
+        super().__init__(values)
+        self.late = late
+
+
+class _Uses:
+    """What a put/get tells ``_using`` at its end: the calls given up, if any."""
+
+    __slots__ = ("late",)
+
+    def __init__(self):
+        self.late = None
+
+
+class _Retired:
+    """A client replaced after a call on it was given up: kept until its late calls have
+    returned (and, while it holds this process's segment, until the store closes)."""
+
+    def __init__(self, client, regions: list[int], holds_segment: bool):
+        self.client = client
+        self.regions = regions
+        self.holds_segment = holds_segment
+
+
 class _ClientState:
     """What closing needs, held apart from the store so a finalizer can close it."""
 
@@ -158,6 +246,24 @@ class _ClientState:
         self.registered: dict[int, int] = {}  # address -> nbytes
         self.in_use: Counter = Counter()  # address -> put/get calls using the region now
         self.stale: deque = deque()  # regions of garbage-collected staging buffers
+        self.retired: list[_Retired] = []  # replaced clients not closed yet
+        self.retired_lock = threading.Lock()  # guards ``retired`` (and a retired client's close)
+        self.late: set = set()  # futures of Mooncake calls given up and still running
+        self.late_on: Counter = Counter()  # id(client) -> its calls given up and running
+        self.reader: ReplicaReader | None = None  # replica failover reads (made lazily)
+
+
+def _wait_late(state: _ClientState, timeout: float) -> None:
+    """Wait (bounded) for the Mooncake calls given up to return before closing clients."""
+    late = [f for f in list(state.late) if not f.done()]
+    if not late:
+        return
+    log.warning("closing the store: waiting up to %.0f s for %d Mooncake call(s) given up "
+                "earlier to return", timeout, len(late))
+    deadline = time.monotonic() + timeout
+    for f in late:
+        with contextlib.suppress(Exception):
+            f.result(max(0.0, deadline - time.monotonic()))
 
 
 def _shutdown(state: _ClientState) -> None:
@@ -170,6 +276,15 @@ def _shutdown(state: _ClientState) -> None:
     client, state.client = state.client, None
     if client is None:
         return
+    _wait_late(state, _LATE_CLOSE_WAIT_S)
+    if state.reader is not None:
+        with contextlib.suppress(Exception):
+            state.reader.close()
+    with state.retired_lock:
+        retired, state.retired = state.retired, []
+        closing = [r.client for r in retired if r.client is not None]
+        for r in retired:
+            r.client = None
     for address in list(state.registered):
         with contextlib.suppress(Exception):
             client.unregister_buffer(address)
@@ -179,10 +294,11 @@ def _shutdown(state: _ClientState) -> None:
             state.master.restart()
         except StoreError as e:
             log.warning("could not restart the embedded master for a quick close: %s", e)
-    try:
-        client.close()
-    except Exception:
-        log.exception("Mooncake client close() raised")
+    for old in [*closing, client]:
+        try:
+            old.close()
+        except Exception:
+            log.exception("Mooncake client close() raised")
     if state.master is not None:
         state.master.stop()
 
@@ -204,9 +320,17 @@ class MooncakeStore:
         self._in_flight = 0
         self._closed = False
         client = self._connect(self.config, _master)
+        self.limits = limits_for(self.config.protocol, call_spans=self.config.max_call_spans,
+                                 inflight_spans=self.config.max_inflight_spans)
+        self._budgets = {id(client): SpanBudget(self.limits.inflight_spans)}
+        self._replace_lock = threading.Lock()
+        self._segment_client = client if self.config.global_segment_size > 0 else None
+        self._probe = EndpointProbe()
+        self._reader_failed_at = -1e9
         self._state = _ClientState(client, _master)
         self._client = client
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
+        log.debug("store limits: %s", self.limits)
         from mooncake.store import ReplicateConfig
 
         self._replicate = ReplicateConfig()
@@ -215,6 +339,7 @@ class MooncakeStore:
     # -- opening ---------------------------------------------------------------------------
     @staticmethod
     def _connect(config: StoreConfig, master: EmbeddedMaster | None):
+        prepare_environment(config.protocol)  # the TCP queues, read by setup()
         address = config.master_address
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
@@ -338,6 +463,8 @@ class MooncakeStore:
             self._closed = True
             while self._in_flight:
                 self._lock.wait()
+        with self._replace_lock:  # a replacement being set up finishes first
+            pass
         self._finalizer()
 
     def __enter__(self) -> MooncakeStore:
@@ -381,6 +508,7 @@ class MooncakeStore:
         ``_register_lock``."""
         regions = self._regions_of(staging)
         state = self._state
+        client = state.client  # the current one (a replacement swaps under this lock)
         self._drop_stale(client)
         added = False
         for address, nbytes in regions:
@@ -396,6 +524,8 @@ class MooncakeStore:
                         )
                     client.unregister_buffer(old)
                     del state.registered[old]
+                    if state.reader is not None:
+                        state.reader.unregister(old)
                     log.debug("unregistered stale region %#x + %d", old, size)
             rc = client.register_buffer(address, nbytes)
             if rc != 0:
@@ -404,6 +534,8 @@ class MooncakeStore:
                     f"({code_name(rc)})"
                 )
             state.registered[address] = nbytes
+            if state.reader is not None:
+                self._reader_register(address, nbytes)
             added = True
             log.debug("registered %#x + %d", address, nbytes)
         if added and hasattr(staging, "regions"):
@@ -420,6 +552,8 @@ class MooncakeStore:
                 if state.registered.get(address) == nbytes:
                     del state.registered[address]
                     client.unregister_buffer(address)
+                    if state.reader is not None:
+                        state.reader.unregister(address)
 
     def unregister(self, staging) -> None:
         """Unregister the regions of ``staging``. Raises :class:`kvmove.StoreError`, and
@@ -435,16 +569,20 @@ class MooncakeStore:
                     f"cannot unregister the staging region {address:#x}: {calls} put/get "
                     f"call(s) in flight are using it (wait for the transfers to end first)"
                 )
+            client = self._state.client
             for address, _ in regions:
                 if self._state.registered.pop(address, None) is not None:
                     rc = client.unregister_buffer(address)
                     if rc != 0:
                         log.warning("unregister_buffer(%#x) returned %d", address, rc)
+                    if self._state.reader is not None:
+                        self._state.reader.unregister(address)
 
     @contextlib.contextmanager
     def _using(self, client, desc: Descriptors):
         """Register the memory of ``desc`` if needed, and count this call as a user of its
-        registered regions until the block ends (``unregister`` refuses them meanwhile)."""
+        registered regions until the block ends (``unregister`` refuses them meanwhile), or,
+        when the block set ``uses.late`` (Mooncake calls given up), until those return."""
         state = self._state
         with self._register_lock:
             registered = state.registered
@@ -454,14 +592,26 @@ class MooncakeStore:
             used = [a for a, _ in desc.regions] or self._regions_touched(desc)
             for address in used:
                 state.in_use[address] += 1
-        try:
-            yield
-        finally:
+        uses = _Uses()
+
+        def release(_future=None) -> None:
             with self._register_lock:
                 for address in used:
                     state.in_use[address] -= 1
                     if not state.in_use[address]:
                         del state.in_use[address]
+
+        try:
+            yield uses
+        finally:
+            late, uses.late = uses.late, None
+            if late is not None and not late.done():
+                # The caller's future completes once the regions are released too.
+                uses.late = Future()
+                late.add_done_callback(lambda _f, done=uses.late: (release(),
+                                                                   done.set_result(None)))
+            else:
+                release()
 
     def _regions_touched(self, desc: Descriptors) -> list[int]:
         """The registered regions that spans of ``desc`` start in (for descriptors built
@@ -472,16 +622,147 @@ class MooncakeStore:
         return [a for a, n in self._state.registered.items()
                 if bool(((starts >= a) & (starts < a + n)).any())]
 
+    # -- bounded Mooncake calls ------------------------------------------------------------
+    def _bounded(self, fn: Callable, *args, spans: int = 0,
+                 timeout: float | None = None) -> CallOutcome:
+        """Run one Mooncake call, waiting at most ``timeout`` (``config.call_timeout``)
+        seconds once it started; ``spans`` of it count against its client's span budget
+        until it really returns (waiting for room there gives up when no call of the client
+        returned for ``timeout``). A call given up is logged with its cause and its client
+        replaced (for data calls), see the module docstring."""
+        timeout = self.config.call_timeout if timeout is None else timeout
+        client = getattr(fn, "__self__", None)
+        budget = self._budgets.get(id(client)) if spans else None
+        t0 = time.monotonic()
+        taken = 0
+        if budget is not None:
+            taken = budget.acquire(spans, timeout)
+            if not taken:
+                log.warning("Mooncake %s not started: %d of %d spans of this client stayed in "
+                            "flight and none returned for %.1f s",
+                            getattr(fn, "__name__", "call"), budget.in_flight, budget.limit,
+                            timeout)
+                return CallOutcome(False, seconds=time.monotonic() - t0)
+        outcome = call_bounded(fn, *args, timeout=timeout,
+                               on_return=(lambda: budget.release(taken)) if taken else None)
+        if not outcome.done:
+            self._given_up(fn, client, outcome.late, spans, timeout)
+        return outcome
+
+    def _given_up(self, fn: Callable, client, late, spans: int, timeout: float) -> None:
+        """Bookkeeping and log of a call given up; a data call's client is replaced (in the
+        background: a new client's set-up must not delay this call)."""
+        name = getattr(fn, "__name__", "call")
+        state = self._state
+        with self._register_lock:
+            state.late.add(late)
+            state.late_on[id(client)] += 1
+        late.add_done_callback(lambda f: self._late_returned(f, client))
+        data = name in _DATA_CALLS
+        log.warning(
+            "Mooncake %s%s gave no answer within %.1f s (a holder stalled, or the transport "
+            "is stuck); its keys are FAILED%s", name, f" of {spans} spans" if spans else "",
+            timeout, "; the memory it names stays in use until it returns (Mooncake's cap is "
+            "60 s), and the client is replaced" if data else "")
+        if data and client is not None:
+            threading.Thread(target=self._replace_client, args=(client,),
+                             name="kvmove-store-replace", daemon=True).start()
+
+    def _late_returned(self, future, client) -> None:
+        state = self._state
+        with self._register_lock:
+            state.late.discard(future)
+            state.late_on[id(client)] -= 1
+            if state.late_on[id(client)] > 0:
+                return
+            del state.late_on[id(client)]
+        with state.retired_lock:
+            retired = next((r for r in state.retired if r.client is client), None)
+        log.info("a Mooncake call given up earlier has returned")
+        if retired is not None:
+            self._finish_retired(retired)
+
+    def _replace_client(self, old) -> None:
+        """A new client (no segment of its own) with every region registered again, in place
+        of ``old``; ``old`` is retired (see :class:`_Retired`)."""
+        with self._replace_lock:
+            state = self._state
+            if self._closed or state.client is not old:
+                return
+            config = self.config.replace(global_segment_size=0, connect_timeout=min(
+                self.config.connect_timeout, 1.0))
+            try:
+                new = self._connect(config, None)
+            except Exception as e:
+                log.warning("could not open a replacement Mooncake client (%s); the current "
+                            "one stays in use", e)
+                return
+            with self._register_lock:
+                for address, nbytes in state.registered.items():
+                    rc = new.register_buffer(address, nbytes)
+                    if rc != 0:
+                        log.warning("replacement client: register_buffer(%#x) failed with %d; "
+                                    "the current client stays in use", address, rc)
+                        with contextlib.suppress(Exception):
+                            new.close()
+                        return
+                self._budgets[id(new)] = SpanBudget(self.limits.inflight_spans)
+                holds = old is self._segment_client
+                retired = _Retired(old, list(state.registered), holds)
+                with state.retired_lock:
+                    state.retired.append(retired)
+                state.client = self._client = new
+                done = not state.late_on[id(old)]
+            log.warning("replaced the Mooncake client after a call was given up (%d client(s) "
+                        "retired%s)", len(state.retired),
+                        "; the first keeps this process's segment" if holds else "")
+        if done:
+            self._finish_retired(retired)
+
+    def _finish_retired(self, retired: _Retired) -> None:
+        """A retired client whose late calls have all returned: unregister its regions and
+        close it, unless it holds this process's segment (closed with the store) or the
+        master is unreachable (a close would block for seconds; the store's close does it)."""
+        state = self._state
+        with self._register_lock:
+            client = retired.client
+            if client is None:
+                return
+            for address in retired.regions:
+                with contextlib.suppress(Exception):
+                    client.unregister_buffer(address)
+            retired.regions = []
+            self._budgets.pop(id(client), None)
+        if retired.holds_segment:
+            return
+        host, _, port = self.address.rpartition(":")
+        if not tcp_reachable(host.strip("[]"), int(port), 0.5):
+            return
+        with state.retired_lock:  # the store's close may take it first
+            if retired not in state.retired or retired.client is None:
+                return
+            state.retired.remove(retired)
+            retired.client = None
+        try:
+            client.close()
+        except Exception:
+            log.exception("closing a retired Mooncake client raised")
+
     # -- calls -----------------------------------------------------------------------------
     def _batch(self, fn: Callable, keys: list[str], *args) -> list[int]:
-        """One Mooncake batch call: its per-key results, ``CLIENT_EXCEPTION`` for every key
-        when it raises, ``StoreError`` when it answers for a different number of keys."""
-        try:
-            result = fn(keys, *args)
-        except Exception:
-            log.exception("Mooncake %s of %d keys raised; marking them failed",
-                          fn.__name__, len(keys))
+        """One Mooncake batch call, bounded: its per-key results; ``CLIENT_EXCEPTION`` for
+        every key when it raises; ``CALL_TIMEOUT`` for every key when it was given up (then
+        the list's ``late`` is its future, for a data call); ``StoreError`` when it answers
+        for a different number of keys."""
+        data = getattr(fn, "__name__", "") in _DATA_CALLS
+        outcome = self._bounded(fn, keys, *args, spans=sum(map(len, args[0])) if data else 0)
+        if not outcome.done:
+            return _Codes([CALL_TIMEOUT] * len(keys), outcome.late if data else None)
+        if outcome.error is not None:
+            log.error("Mooncake %s of %d keys raised; marking them failed", fn.__name__,
+                      len(keys), exc_info=outcome.error)
             return [CLIENT_EXCEPTION] * len(keys)
+        result = outcome.value
         if len(result) != len(keys):
             raise StoreError(
                 f"Mooncake {fn.__name__} answered {len(result)} results for {len(keys)} keys "
@@ -489,22 +770,71 @@ class MooncakeStore:
             )
         return list(result)
 
-    def _chunked(self, n: int, run: Callable[[slice], list[int]]) -> list[int]:
-        """The per-key codes of ``run(chunk)`` over chunks of at most ``max_batch_keys``
-        keys. When every key of a chunk fails with an RPC error the master is unreachable,
-        and each further call would wait ~4 s for Mooncake to reconnect: the remaining keys
-        get the same code untried."""
+    def _key_chunks(self, n: int) -> list[slice]:
         step = self.config.max_batch_keys
+        return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+    def _span_chunks(self, desc: Descriptors) -> list[slice]:
+        """Consecutive keys of ``desc`` cut into calls of at most ``max_batch_keys`` keys and
+        ``limits.call_spans`` spans (a key with more spans than that goes alone)."""
+        n, step, cap = len(desc), self.config.max_batch_keys, self.limits.call_spans
+        if n == 0:
+            return []
+        if n <= step and desc.num_spans <= cap:
+            return [slice(0, n)]
+        total = np.cumsum(np.fromiter(map(len, desc.ptrs), dtype=np.int64, count=n))
+        chunks, start, base = [], 0, 0
+        while start < n:
+            end = int(np.searchsorted(total, base + cap, side="right"))
+            end = max(start + 1, min(end, start + step, n))
+            chunks.append(slice(start, end))
+            base, start = int(total[end - 1]), end
+        return chunks
+
+    def _chunked(self, chunks: list[slice], run: Callable[[slice], list[int]]) -> _Codes:
+        """The per-key codes of ``run(chunk)`` over ``chunks``, with the futures of calls
+        given up joined in ``late``. Chunks run in order, as many at a time as the client's
+        spans in flight allow (``inflight_spans // call_spans``; one at a time with
+        Mooncake's default TCP queues). When every key of a chunk fails with an RPC error
+        the master is unreachable (each further call would wait ~4 s for Mooncake to
+        reconnect), and when a call was given up the transport or master is stuck: either
+        way the chunks not started yet get that code untried."""
+        n = chunks[-1].stop if chunks else 0
+        width = min(len(chunks), max(1, self.limits.inflight_spans // self.limits.call_spans))
+        parts: list = [None] * len(chunks)
+        taken = iter(range(len(chunks)))
+        lock = threading.Lock()
+        stop: list[int] = []  # the code that stops the call, once one chunk gave it
+
+        def work() -> None:  # run chunks, in order, until none is left or one stops the call
+            while True:
+                with lock:
+                    k = next(taken, None)
+                    if k is None or stop:
+                        return
+                part = parts[k] = run(chunks[k])
+                if _stops_the_call(part):
+                    with lock:
+                        stop.append(part[0] if _unreachable(part) else CALL_TIMEOUT)
+                    return
+
+        helpers = [default_runner().submit(work) for _ in range(width - 1)]
+        work()  # this thread is one of the ``width`` workers
+        for helper in helpers:
+            helper.result()  # each chunk's calls are bounded, so this is too
         codes: list[int] = []
-        for start in range(0, n, step):
-            part = run(slice(start, min(start + step, n)))
+        for chunk, part in zip(chunks, parts, strict=True):
+            if part is None:  # not tried: the call stopped first
+                part = [stop[0]] * (chunk.stop - chunk.start)
             codes += part
-            if len(codes) < n and _unreachable(part):
-                log.warning("master %s unreachable (%s); %d keys not tried", self.address,
-                            code_name(part[0]), n - len(codes))
-                codes += [part[0]] * (n - len(codes))
-                break
-        return codes
+        if stop and any(p is None for p in parts):
+            untried = sum(c.stop - c.start for c, p in zip(chunks, parts, strict=True)
+                          if p is None)
+            log.warning("%s; %d keys not tried", f"master {self.address} unreachable "
+                        f"({code_name(stop[0])})" if stop[0] != CALL_TIMEOUT else
+                        "a Mooncake call was given up", untried)
+        assert len(codes) == n
+        return _Codes(codes, settled(getattr(p, "late", None) for p in parts))
 
     @staticmethod
     def _check_desc(desc) -> Descriptors:
@@ -514,17 +844,19 @@ class MooncakeStore:
 
     def put(self, desc: Descriptors, *, detect_exists: bool | None = None) -> StoreResult:
         """Store each key's spans as one object. One :class:`Status` per key (``OK``,
-        ``EXISTS``, ``NO_SPACE`` or ``FAILED``); ``.codes`` holds Mooncake's codes.
+        ``EXISTS``, ``NO_SPACE`` or ``FAILED``); ``.codes`` holds Mooncake's codes,
+        ``.late`` the calls given up (module docstring).
 
         ``detect_exists`` (default ``config.detect_exists``): ask the master first which
         keys exist, to report them ``EXISTS`` and not send them. Without it a stored key
         is reported ``OK`` (Mooncake keeps the stored object either way)."""
         desc = self._check_desc(desc)
         check = self.config.detect_exists if detect_exists is None else bool(detect_exists)
-        with self._call_slot() as client, self._using(client, desc):
-            codes = self._chunked(len(desc),
+        with self._call_slot() as client, self._using(client, desc) as uses:
+            codes = self._chunked(self._span_chunks(desc),
                                   lambda c: self._put_chunk(client, desc[c], check))
-        result = StoreResult(map(_put_status, codes), codes)
+            uses.late = codes.late
+        result = StoreResult(map(_put_status, codes), codes, uses.late)
         self._log_outcome("put", desc.keys, result)
         return result
 
@@ -532,30 +864,43 @@ class MooncakeStore:
         codes: list[int | None] = [None] * len(part)
         if detect_exists:
             flags = self._batch(client.batch_is_exist, part.keys)
-            if _unreachable(flags):
+            if _stops_the_call(flags):
                 return flags
             for i in [i for i, flag in enumerate(flags) if flag == 1]:
                 codes[i] = OBJECT_ALREADY_EXISTS
         todo = [i for i, c in enumerate(codes) if c is None]
+        late = []
         for attempt in range(2):
             if not todo:
                 break
             sub = part if len(todo) == len(part) else part.select(todo)
             result = self._batch(client.batch_put_from_multi_buffers, sub.keys, sub.ptrs,
                                  sub.sizes, self._replicate)
+            late.append(getattr(result, "late", None))
             for i, code in zip(todo, result, strict=True):
                 codes[i] = code
-            todo = [i for i in todo if codes[i] == LEASE_EXPIRED] if attempt == 0 else []
-        return codes  # type: ignore[return-value]
+            # Once more for a lease that expired mid-transfer, and for a transfer that failed
+            # (a replica placed on a holder that died: the master may pick a live one now;
+            # a failed put leaves no object behind).
+            todo = [i for i in todo if codes[i] in (LEASE_EXPIRED, TRANSFER_FAIL)] \
+                if attempt == 0 else []
+        return _Codes(codes, settled(late))
 
     def get(self, desc: Descriptors) -> StoreResult:
         """Read each key's object into its spans. One :class:`Status` per key: ``OK`` only
         when the object is exactly the described size; ``MISS``, ``SIZE_MISMATCH`` or
-        ``FAILED`` otherwise. ``.codes`` holds Mooncake's results (byte counts or codes)."""
+        ``FAILED`` otherwise. ``.codes`` holds Mooncake's results (byte counts or codes),
+        ``.late`` the calls given up (module docstring). A key whose holder is dead is read
+        from another live replica in the same call, where it has one."""
         desc = self._check_desc(desc)
         expected = desc.object_sizes()
-        with self._call_slot() as client, self._using(client, desc):
-            codes = self._chunked(len(desc), lambda c: self._get_chunk(client, desc[c]))
+        with self._call_slot() as client, self._using(client, desc) as uses:
+            codes = self._chunked(self._span_chunks(desc),
+                                  lambda c: self._get_chunk(client, desc[c]))
+            late = [codes.late]
+            if TRANSFER_FAIL in codes:
+                late.append(self._failover(client, desc, codes))
+            uses.late = settled(late)
             if codes == expected:  # the common case: every key read in full
                 statuses = [Status.OK] * len(codes)
             else:
@@ -563,7 +908,7 @@ class MooncakeStore:
                     self._get_status(client, key, code, size)
                     for key, code, size in zip(desc.keys, codes, expected, strict=True)
                 ]
-        result = StoreResult(statuses, codes)
+        result = StoreResult(statuses, codes, uses.late)
         self._log_outcome("get", desc.keys, result)
         return result
 
@@ -577,10 +922,11 @@ class MooncakeStore:
                                 sub.sizes)
             for i, code in zip(retry, again, strict=True):
                 codes[i] = code
+            if getattr(again, "late", None) is not None:
+                return _Codes(codes, settled([getattr(codes, "late", None), again.late]))
         return codes
 
-    @staticmethod
-    def _get_status(client, key: str, code: int, size: int) -> Status:
+    def _get_status(self, client, key: str, code: int, size: int) -> Status:
         if code == size:
             return Status.OK
         if code >= 0:
@@ -588,10 +934,8 @@ class MooncakeStore:
         if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return Status.MISS
         if code in (INVALID_PARAMS, TRANSFER_FAIL):
-            try:
-                stored = client.get_size(key)
-            except Exception:
-                stored = CLIENT_EXCEPTION
+            asked = self._bounded(client.get_size, key)
+            stored = asked.value if asked.done and asked.error is None else CLIENT_EXCEPTION
             if stored == OBJECT_NOT_FOUND:
                 return Status.MISS
             if stored >= 0:
@@ -599,26 +943,155 @@ class MooncakeStore:
             return Status.SIZE_MISMATCH if code == INVALID_PARAMS else Status.FAILED
         return Status.FAILED
 
+    # -- replica failover ------------------------------------------------------------------
+    def _replica_reader(self) -> ReplicaReader | None:
+        """The store's replica reader, made on first use with every registered region; None
+        (logged) when it cannot be made (tried again after 30 s)."""
+        state = self._state
+        if state.reader is not None:
+            return state.reader
+        if time.monotonic() - self._reader_failed_at < 30.0:
+            return None
+        with self._register_lock:
+            if state.reader is None:
+                try:
+                    reader = ReplicaReader(
+                        local_hostname=self.config.local_hostname,
+                        metadata_server=self.config.metadata_server,
+                        protocol=self.config.protocol, rdma_devices=self.config.rdma_devices)
+                    for address, nbytes in state.registered.items():
+                        reader.register(address, nbytes)
+                except Exception as e:
+                    log.warning("replica failover unavailable: %s", e)
+                    self._reader_failed_at = time.monotonic()
+                    return None
+                state.reader = reader
+        return state.reader
+
+    def _reader_register(self, address: int, nbytes: int) -> None:
+        try:
+            self._state.reader.register(address, nbytes)
+        except StoreError as e:
+            log.warning("%s (replica failover cannot read into that region)", e)
+
+    def _failover(self, client, desc: Descriptors, codes: list[int]):
+        """Read each key whose get failed in transport (``TRANSFER_FAIL``) from another
+        complete replica on a live holder, into the key's own spans; set its code to the
+        object size when read and confirmed. Returns the future of reads given up, or None.
+        """
+        idx = [i for i, c in enumerate(codes) if c == TRANSFER_FAIL]
+        reader = self._replica_reader()
+        if reader is None or not idx:
+            return None
+        t0 = time.monotonic()
+        keys = [desc.keys[i] for i in idx]
+        self._bounded(client.batch_is_exist, keys)  # a read leases the keys: no removal
+        listed = self._bounded(client.batch_get_replica_desc, keys)
+        if not listed.done or listed.error is not None:
+            log.warning("replica failover: could not list the replicas of %d keys (%s)",
+                        len(keys), listed.error or "no answer")
+            return None
+        plan: dict[str, list] = {}
+        for i, key in zip(idx, keys, strict=True):
+            size = desc.nbytes(i)
+            found = [r for r in replicas_of(listed.value.get(key)) if r.complete
+                     and r.size == size]
+            # The first-listed replica is the one the get read: try the others first.
+            choice = next((r for r in found[1:] + found[:1] if self._probe.alive(r.endpoint)),
+                          None)
+            if choice is not None and all(reader.covers(p, n) for p, n in
+                                          zip(desc.ptrs[i], desc.sizes[i], strict=True)):
+                plan.setdefault(choice.endpoint, []).append((i, choice))
+        read, late = [], []
+        deadline = t0 + self.config.call_timeout
+        for endpoint, items in plan.items():
+            for group in self._replica_groups(desc, items):
+                local, remote, lengths = [], [], []
+                for i, replica in group:
+                    offset = replica.address
+                    for ptr, n in zip(desc.ptrs[i], desc.sizes[i], strict=True):
+                        local.append(ptr)
+                        remote.append(offset)
+                        lengths.append(n)
+                        offset += n
+                out = call_bounded(reader.read, endpoint, local, remote, lengths,
+                                   timeout=deadline - time.monotonic())
+                if not out.done:  # its spans may still be written: never read them again
+                    late.append(out.late)
+                    for i, _ in group:
+                        codes[i] = CALL_TIMEOUT
+                    log.warning("replica failover: a read of %d spans from %s gave no answer "
+                                "by the bound", len(local), endpoint)
+                elif out.error is None and out.value == 0:
+                    read += group
+                else:
+                    log.warning("replica failover: reading %d keys from %s failed (%s)",
+                                len(group), endpoint, out.error or out.value)
+        if read:
+            confirm = self._bounded(client.batch_get_replica_desc,
+                                    [desc.keys[i] for i, _ in read])
+            if confirm.done and confirm.error is None:
+                for i, replica in read:
+                    if replica in replicas_of(confirm.value.get(desc.keys[i])):
+                        codes[i] = replica.size
+        recovered = sum(1 for i in idx if codes[i] == desc.nbytes(i))
+        log.warning("replica failover: %d of %d keys whose holder failed read from a live "
+                    "replica in %.2f s", recovered, len(idx), time.monotonic() - t0)
+        return settled(late)
+
+    def _replica_groups(self, desc: Descriptors, items: list) -> list[list]:
+        """``items`` ((key index, replica) for one holder) in groups of at most
+        ``limits.call_spans`` spans."""
+        groups, group, spans = [], [], 0
+        for item in items:
+            n = len(desc.ptrs[item[0]])
+            if group and spans + n > self.limits.call_spans:
+                groups.append(group)
+                group, spans = [], 0
+            group.append(item)
+            spans += n
+        if group:
+            groups.append(group)
+        return groups
+
+    # -- queries ---------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> StoreResult:
         """Whether each key is stored (``True``/``False``; a key the master could not
         answer for is ``False``, its code in ``.codes`` is negative)."""
         keys = check_keys(keys, unique=False)
         with self._call_slot() as client:
-            codes = self._chunked(len(keys), lambda c: self._batch(client.batch_is_exist,
-                                                                    keys[c]))
+            codes = self._chunked(self._key_chunks(len(keys)),
+                                  lambda c: self._batch(client.batch_is_exist, keys[c]))
         errors = [c for c in codes if c < 0]
         if errors:
             log.warning("exists: %d of %d keys unanswered (%s)", len(errors), len(keys),
                         code_name(errors[0]))
         return StoreResult([c == 1 for c in codes], codes)
 
+    def replicas(self, keys: Sequence[str]) -> list[list[Replica]]:
+        """Where each key's memory replicas live, in the master's order (a get reads the
+        first): one list of :class:`~kvmove.store.replica_reader.Replica` (``endpoint``,
+        ``address``, ``size``, ``complete``) per key; ``[]`` for a key that is not stored,
+        and for every key when the master did not answer (logged)."""
+        keys = check_keys(keys, unique=False)
+        if not keys:
+            return []
+        with self._call_slot() as client:
+            out = self._bounded(client.batch_get_replica_desc, keys)
+        if not out.done or out.error is not None:
+            log.warning("replicas: the master did not list the replicas of %d keys (%s)",
+                        len(keys), out.error or "no answer")
+            return [[] for _ in keys]
+        return [replicas_of(out.value.get(k)) for k in keys]
+
     def remove(self, keys: Sequence[str], *, force: bool = False) -> StoreResult:
         """Remove keys. ``OK``, ``MISS`` (no such key) or ``FAILED`` per key; a key read
         within the master's lease time (``-706``) is kept unless ``force``."""
         keys = check_keys(keys, unique=False)
         with self._call_slot() as client:
-            codes = self._chunked(len(keys), lambda c: self._batch(client.batch_remove,
-                                                                    keys[c], bool(force)))
+            codes = self._chunked(self._key_chunks(len(keys)),
+                                  lambda c: self._batch(client.batch_remove, keys[c],
+                                                        bool(force)))
         result = StoreResult(map(_remove_status, codes), codes)
         self._log_outcome("remove", keys, result)
         return result

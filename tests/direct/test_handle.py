@@ -10,8 +10,8 @@ import json
 import pytest
 
 import kvmove
-from kvmove.direct.engine import TransportSettings
 from kvmove.direct.handle import PageHandle
+from kvmove.store.transfer_engine import TransportSettings
 from tests.support.direct_pools import GUARD, LAYOUTS, make_pool
 
 

@@ -105,7 +105,10 @@ def test_master_killed_mid_batch_then_restarted_on_the_same_address(
     threads_before = {t.name for t in threading.enumerate()}
     natives_before = native_threads()
     masters_before = set(mooncake_masters(children_of=os.getpid()))
-    s = kvmove.MooncakeStore.embedded(global_segment_size="16mb", max_batch_keys=4)
+    # Chunks of 4 keys, one at a time (32 spans in flight: a chunk is 20), so that the
+    # kill falls between chunks.
+    s = kvmove.MooncakeStore.embedded(global_segment_size="16mb", max_batch_keys=4,
+                                      max_inflight_spans=32)
     port = s.master.rpc_port
     kv = hybrid(160)
     mover = kvmove.KVMover(kv, s, page_tokens=PAGE, staging_slots=16, key_prefix="faults")

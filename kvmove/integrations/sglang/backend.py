@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 __all__ = ["KVMoveStorage"]
 
 _DONE = (kvmove.Status.OK, kvmove.Status.EXISTS)  # a page component that is stored
+_LET_GO_S = 120.0  # longest wait for a stuck Mooncake call to return (its own cap: 60 s)
 
 
 class KVMoveStorage(HiCacheStorage):
@@ -118,6 +119,32 @@ class KVMoveStorage(HiCacheStorage):
         return concat([describe(pool, pages, keys)
                        for pool, keys in zip(view.components, object_keys, strict=True)])
 
+    def _get(self, desc):
+        return self._let_go(self.store.get(desc))
+
+    def _put(self, desc):
+        return self._let_go(self.store.put(desc, detect_exists=True))
+
+    @staticmethod
+    def _let_go(result):
+        """Answer SGLang only once Mooncake has let go of the host pages. The store gives a
+        stuck call up at its bound (its keys ``FAILED``), but Mooncake may still write into
+        (get) or read from (put) their memory until the call really returns, and SGLang
+        frees or reuses the pages as soon as this call answers: so a call given up is
+        waited for here (Mooncake's own cap is 60 s). SGLang's storage calls run on its
+        background I/O threads; its scheduler does not wait for them."""
+        late = getattr(result, "late", None)
+        if late is not None and not late.done():
+            log.warning("kvmove SGLang backend: a store call was given up; waiting for "
+                        "Mooncake to let go of the host pages before answering (pages read "
+                        "as not stored)")
+            try:
+                late.result(timeout=_LET_GO_S)
+            except Exception as e:  # still running after its cap: say so, loudly
+                log.error("Mooncake still holds host pages after %.0f s (%s); answering now",
+                          _LET_GO_S, e)
+        return result
+
     @staticmethod
     def _per_page(statuses, n: int, ok=(kvmove.Status.OK,)) -> list[bool]:
         """A page succeeds when every one of its objects did (objects component-major)."""
@@ -145,7 +172,7 @@ class KVMoveStorage(HiCacheStorage):
         if not keys:
             return []
         desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
-        return self._per_page(self.store.get(desc), len(keys))
+        return self._per_page(self._get(desc), len(keys))
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         """Store pages ``keys`` from the host pool at ``host_indices``; objects that exist
@@ -154,7 +181,7 @@ class KVMoveStorage(HiCacheStorage):
         if not keys:
             return []
         desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
-        return self._per_page(self.store.put(desc, detect_exists=True), len(keys), ok=_DONE)
+        return self._per_page(self._put(desc), len(keys), ok=_DONE)
 
     # -- side pools (v2) ---------------------------------------------------------------------
     def _side(self, transfer) -> tuple[str, PoolView]:
@@ -215,7 +242,7 @@ class KVMoveStorage(HiCacheStorage):
         statuses = []
         if parts:
             desc = concat(parts)
-            statuses = self.store.put(desc, detect_exists=True) if put else self.store.get(desc)
+            statuses = self._put(desc) if put else self._get(desc)
         out, at = {}, 0
         for name, n, count in spans:
             out[name] = self._per_page(statuses[at:at + count], n,
@@ -261,8 +288,8 @@ class KVMoveStorage(HiCacheStorage):
             desc = kvmove.Descriptors(names, ptrs, lens, regions=[(bounce.address,
                                                                    bounce.nbytes)])
             if put:
-                return self._per_page(self.store.put(desc, detect_exists=True), n, ok=_DONE)
-            ok = self._per_page(self.store.get(desc), n)
+                return self._per_page(self._put(desc), n, ok=_DONE)
+            ok = self._per_page(self._get(desc), n)
             for i, v in enumerate(values):
                 if ok[i]:
                     v.view(-1).view(torch.uint8).copy_(flat[i])

@@ -18,7 +18,8 @@ def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) 
     """A :class:`StoreConfig` from vLLM's Mooncake JSON (``master_server_address``,
     ``metadata_server``, ``protocol``, ``device_name``, ``mode``, ``global_segment_size``,
     ``local_buffer_size``). ``MOONCAKE_LOCAL_HOSTNAME`` names the address other clients reach
-    this one at (default ``localhost``)."""
+    this one at (default ``localhost``); ``KVMOVE_REPLICAS`` and ``KVMOVE_CALL_TIMEOUT`` set
+    the replicas of every object and the bound on a store call, as for every kvmove store."""
     env = os.environ if environ is None else environ
     try:
         with open(path) as f:
@@ -48,6 +49,8 @@ def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) 
         local_buffer_size=parse_size(
             raw.get("local_buffer_size", _VLLM_DEFAULT_LOCAL_BUFFER_SIZE), "local_buffer_size"),
         local_hostname=env.get("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
+        replicas=env.get("KVMOVE_REPLICAS", "").strip() or 1,
+        call_timeout=env.get("KVMOVE_CALL_TIMEOUT", "").strip() or 10.0,
     )
 
 

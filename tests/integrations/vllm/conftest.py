@@ -83,6 +83,7 @@ class Engines:
         self.faults = work / "faults.json"
         self.events = work / "events.jsonl"
         self.runs = 0
+        self.env: dict[str, str] = {}  # more variables for the engine processes
 
     def run(self, connector: dict | None, phases: list[dict], max_tokens: int = 8) -> EngineRun:
         self.runs += 1
@@ -96,7 +97,8 @@ class Engines:
                    KVMOVE_TEST_FAULTS=str(self.faults), KVMOVE_TEST_EVENTS=str(self.events),
                    KVMOVE_TEST_MASTER_PID=str(self.store.master.pid),
                    PYTHONFAULTHANDLER="1",
-                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                   **self.env)
         log = self.work / f"engine{self.runs}.log"
         with open(log, "w") as f:
             proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine_run",

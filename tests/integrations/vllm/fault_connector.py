@@ -3,10 +3,13 @@ file ``$KVMOVE_TEST_FAULTS`` (read at every load): ``{"mode": "none" | "zeros" |
 "kill"}``. ``zeros`` writes zeros over the loaded blocks (a wrong connector: the outputs must
 change); ``remove`` deletes the last block's object of every load from the store before the
 get (a missing object); ``kill`` kills the Mooncake master (pid ``$KVMOVE_TEST_MASTER_PID``)
-before the get. Load errors are appended to ``$KVMOVE_TEST_EVENTS`` as JSON lines."""
+before the get; ``kill_holder:N`` SIGKILLs the N-th store node of ``$KVMOVE_TEST_HOLDER_PIDS``
+(comma-separated pids) before the get. Load errors are appended to ``$KVMOVE_TEST_EVENTS`` as
+JSON lines."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +39,10 @@ class FaultyKVMoveConnector(KVMoveConnector):
             side.store.remove(keys, force=True)
         elif mode == "kill":
             os.kill(int(os.environ["KVMOVE_TEST_MASTER_PID"]), signal.SIGKILL)
+        elif mode.startswith("kill_holder:"):
+            pids = os.environ["KVMOVE_TEST_HOLDER_PIDS"].split(",")
+            with contextlib.suppress(ProcessLookupError):  # killed at an earlier load
+                os.kill(int(pids[int(mode.partition(":")[2])]), signal.SIGKILL)
         super().start_load_kv(forward_context, **kwargs)
         if mode == "zeros":  # this engine loads whole-cache: the load has ended here
             ids = [b for t in meta.loads for b in t.block_ids]

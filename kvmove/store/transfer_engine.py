@@ -1,4 +1,6 @@
-"""A thin wrapper of Mooncake's ``TransferEngine`` for the direct path.
+"""A thin wrapper of Mooncake's ``TransferEngine``: the one place kvmove makes one, for the
+direct path's writes into another process's pool (:mod:`kvmove.direct`) and the store's
+reads of a live replica (:mod:`kvmove.store.replica_reader`).
 
 - Settings come from the ``MOONCAKE_*`` variables (SGLang's names, the store's checks):
   ``MOONCAKE_LOCAL_HOSTNAME`` (the address peers reach this process at), ``MOONCAKE_PROTOCOL``
@@ -160,6 +162,29 @@ class Engine:
                                       f"failed with code {rc} (an overlapping region is -7)")
                 self._registered[address] = nbytes
                 added.append(address)
+
+    def unregister(self, address: int) -> None:
+        """Undo the registration of the region starting at ``address`` (if registered)."""
+        with self._lock:
+            if self._engine is not None and self._registered.pop(address, None) is not None:
+                rc = self._engine.unregister_memory(address)
+                if rc != 0:
+                    log.debug("unregister_memory(%#x) returned %d", address, rc)
+
+    @property
+    def registered(self) -> dict[int, int]:
+        """``{address: nbytes}`` of the regions registered now (a copy)."""
+        with self._lock:
+            return dict(self._registered)
+
+    def read(self, peer: str, dsts: list[int], srcs: list[int], lengths: list[int]) -> int:
+        """``batch_transfer_sync_read``: read ``lengths[i]`` bytes at the peer's ``srcs[i]``
+        into ``dsts[i]`` (registered here); 0 once every span is read, else a Mooncake code.
+        Blocks: bound it (:func:`kvmove.store.bounded_call.call_bounded`)."""
+        engine = self._engine
+        if engine is None:
+            return -1
+        return engine.batch_transfer_sync_read(peer, dsts, srcs, lengths)
 
     def write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         """``batch_transfer_sync_write``: 0 once every span is in the peer's memory, else a

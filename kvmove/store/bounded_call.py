@@ -1,0 +1,181 @@
+"""Bounded waits on native calls that take no timeout.
+
+Mooncake's store calls (and the Transfer Engine's) take no timeout argument; the only bound
+is Mooncake's own 60-s cap per transfer, and a call stuck that long still writes into (get)
+or reads from (put) its memory until it returns. So:
+
+- :func:`call_bounded` runs the call on a daemon thread of a :class:`CallRunner` and waits at
+  most ``timeout`` seconds for it. A call that ended gives its value; one that did not is
+  *late*: the caller gives up on it (its keys end ``FAILED``), but its :class:`Future`
+  completes only when the native call has really returned. Memory the call uses must not be
+  freed, reused or handed back before then (``late.add_done_callback``).
+- :class:`SpanBudget` counts the transfer requests (spans) a client has in flight, all its
+  calls together, and releases a call's spans only when that call has really returned, so a
+  late call keeps holding its share of the transport's queue.
+- :func:`settled` joins several late calls into one future.
+
+Used by :class:`kvmove.MooncakeStore`; nothing here knows Mooncake, so the direct transfer
+path can use the same bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CallOutcome", "CallRunner", "SpanBudget", "call_bounded", "default_runner",
+           "settled"]
+
+
+class CallRunner:
+    """Daemon threads that run blocking calls: an idle thread takes the next call, a new one
+    starts when none is idle, so a stuck call never delays another. Up to ``max_idle``
+    threads stay for later calls; the others end. Daemon threads: a call stuck at
+    interpreter exit does not hold the exit up."""
+
+    def __init__(self, name: str = "kvmove-call", max_idle: int = 8):
+        self.name = name
+        self.max_idle = max_idle
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._started = 0
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on a runner thread; its future."""
+        future: Future = Future()
+        with self._lock:
+            start = self._idle == 0
+            if start:
+                self._started += 1
+            else:
+                self._idle -= 1  # an idle thread will take this call
+        self._queue.put((future, fn, args))
+        if start:
+            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to the waiter
+                    future.set_exception(e)
+            del future, fn, args
+            with self._lock:
+                if self._idle >= self.max_idle:
+                    return
+                self._idle += 1
+
+
+_RUNNER = CallRunner()
+
+
+def default_runner() -> CallRunner:
+    """The process's runner (shared by every store)."""
+    return _RUNNER
+
+
+@dataclass
+class CallOutcome:
+    """``done``: the call returned in time (``value`` is its result, or ``error`` what it
+    raised); otherwise ``late`` completes when it really returns."""
+
+    done: bool
+    value: object = None
+    error: BaseException | None = None
+    late: Future | None = None
+    seconds: float = 0.0
+
+
+def call_bounded(fn: Callable, *args, timeout: float, runner: CallRunner | None = None,
+                 on_return: Callable[[], None] | None = None) -> CallOutcome:
+    """Run ``fn(*args)`` on ``runner`` and wait at most ``timeout`` seconds.
+    ``on_return`` runs when the call has really returned, in time or late (e.g. to release
+    its spans)."""
+    t0 = time.monotonic()
+    future = (runner or _RUNNER).submit(fn, *args)
+    if on_return is not None:
+        future.add_done_callback(lambda _f: on_return())
+    try:
+        value = future.result(max(0.0, timeout))
+    except FutureTimeout:
+        return CallOutcome(False, late=future, seconds=time.monotonic() - t0)
+    except Exception as e:
+        return CallOutcome(True, error=e, seconds=time.monotonic() - t0)
+    return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
+
+
+def settled(futures: Iterable[Future | None]) -> Future | None:
+    """One future that completes when every one of ``futures`` has (``None`` when there are
+    none left running)."""
+    pending = [f for f in futures if f is not None and not f.done()]
+    if not pending:
+        return None
+    if len(pending) == 1:
+        return pending[0]
+    joined: Future = Future()
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_f) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            joined.set_result(None)
+
+    for f in pending:
+        f.add_done_callback(one_done)
+    return joined
+
+
+class SpanBudget:
+    """Spans (transfer requests) in flight on one client: :meth:`acquire` before a call,
+    :meth:`release` when the call has really returned."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._cond = threading.Condition()
+        self._used = 0
+        self._releases = 0  # progress: calls that returned
+
+    def acquire(self, spans: int, timeout: float) -> int:
+        """Wait until ``spans`` (at most ``limit``) are free and take them; the number taken,
+        or 0 when no call returned for ``timeout`` seconds while waiting (the transport
+        made no progress: calls that return, even slowly, keep a waiter waiting)."""
+        want = max(1, min(spans, self.limit))
+        with self._cond:
+            seen = self._releases
+            deadline = time.monotonic() + timeout
+            while self._used + want > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if self._releases == seen:
+                        return 0
+                    seen, deadline = self._releases, time.monotonic() + timeout
+                    continue
+                self._cond.wait(left)
+            self._used += want
+        return want
+
+    def release(self, spans: int) -> None:
+        with self._cond:
+            self._used -= spans
+            self._releases += 1
+            self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._used

@@ -1,0 +1,104 @@
+"""What one Mooncake client can have in flight, per protocol: the one place kvmove keeps the
+transport's limits. The store cuts every batch by them (:class:`kvmove.MooncakeStore`), and
+the direct path's Transfer Engine calls can too (the same TCP transport).
+
+TCP (Mooncake 0.3.13.post1, loopback, separate processes; measured, see NOTES-issue-21.md):
+
+- The limit is the number of transfer requests in flight per (client, peer), not bytes: the
+  transport keeps per peer a queue of ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` requests (1024
+  by default) plus ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` admissions (1024). Every span
+  of a multi-buffer object is one request (a DSA page of 61 layers is 61). Past ~2048
+  requests to one peer a call answers ``-800`` for some keys, or hangs for Mooncake's 60 s
+  cap and leaves the client broken towards that peer. Bytes do not matter: 512 one-span
+  objects of 640 KB (312 MB) pass in one call.
+- The two variables are read by each client's ``setup()`` (a client set up after they are
+  changed uses the new values; 65535 is their maximum). :func:`prepare_environment` sets
+  both to 65535 unless the user set them. Then 128 pages x 61 spans pass in one call, 8
+  concurrent calls of 2013 spans each with two replicas pass, and a call of 2048 spans of
+  10 KB takes ~0.3 s (put, two replicas) / ~0.12 s (get) on loopback.
+- Limits used: with a queue of ``Q`` (the first variable's value), at most ``min(Q, 8192)``
+  spans in flight per client (all its calls together) and ``min(that, 2048)`` per call.
+  With the default queue that is 1024 and 1024 (a put of 16 DSA pages per call).
+
+Other protocols (RDMA, ...) are not measured here: 1024 spans per call and 4096 in flight,
+the TCP default's order of magnitude, until measured. ``StoreConfig.max_call_spans`` /
+``max_inflight_spans`` override the figures for any protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TCP_QUEUE_VARS", "TransportLimits", "limits_for", "prepare_environment"]
+
+TCP_QUEUE_VARS = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+                  "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER")
+TCP_QUEUE_RAISED = 65535  # the variables' maximum
+TCP_DEFAULT_QUEUE = 1024  # Mooncake's default for both
+TCP_MAX_INFLIGHT = 8192  # spans in flight per client: half of what passed (8 x 2013)
+TCP_MAX_CALL = 2048  # spans per call: ~0.3 s of 10 KB spans on loopback
+OTHER_CALL, OTHER_INFLIGHT = 1024, 4096  # not measured
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """``call_spans``: spans in one Mooncake call; ``inflight_spans``: spans in flight per
+    client, all its calls together; ``basis``: where the figures come from (for logs)."""
+
+    call_spans: int
+    inflight_spans: int
+    basis: str
+
+    def __post_init__(self):
+        for name in ("call_spans", "inflight_spans"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.call_spans > self.inflight_spans:
+            object.__setattr__(self, "call_spans", self.inflight_spans)
+
+
+def prepare_environment(protocol: str, environ: MutableMapping[str, str] | None = None
+                        ) -> None:
+    """Before a client's ``setup()``: over TCP, raise the per-peer queues to 65535 unless the
+    user set them (the client reads them at set-up)."""
+    if protocol != "tcp":
+        return
+    env = os.environ if environ is None else environ
+    for var in TCP_QUEUE_VARS:
+        if not env.get(var, "").strip():
+            env[var] = str(TCP_QUEUE_RAISED)
+
+
+def _queue(environ) -> int:
+    raw = environ.get(TCP_QUEUE_VARS[0], "").strip()
+    try:
+        value = int(raw) if raw else TCP_DEFAULT_QUEUE
+    except ValueError:
+        log.warning("%s=%r is not a number; assuming Mooncake's default %d", TCP_QUEUE_VARS[0],
+                    raw, TCP_DEFAULT_QUEUE)
+        value = TCP_DEFAULT_QUEUE
+    return max(1, value)
+
+
+def limits_for(protocol: str, environ=None, *, call_spans: int | None = None,
+               inflight_spans: int | None = None) -> TransportLimits:
+    """The limits of a client of ``protocol`` set up under ``environ`` (default: this
+    process's environment); ``call_spans`` / ``inflight_spans`` override them."""
+    env = os.environ if environ is None else environ
+    if protocol == "tcp":
+        queue = _queue(env)
+        inflight = min(queue, TCP_MAX_INFLIGHT)
+        call, basis = min(inflight, TCP_MAX_CALL), f"tcp, per-peer queue {queue} (measured)"
+    else:
+        call, inflight = OTHER_CALL, OTHER_INFLIGHT
+        basis = f"{protocol} (not measured; TCP's order of magnitude)"
+    if call_spans is not None or inflight_spans is not None:
+        basis += ", overridden by the store config"
+    inflight = inflight_spans or inflight
+    return TransportLimits(call_spans or min(call, inflight), inflight, basis)

@@ -1,0 +1,130 @@
+"""No call hangs: the bounded wait on native calls (kvmove.store.bounded_call), and the store
+and the mover around a Mooncake call that really stalls (a holder process stopped with
+SIGSTOP, nothing mocked): the call ends FAILED at the bound, its memory stays in use (the
+store's registration, the mover's staging slots) until Mooncake really returns, nothing of
+it reaches the KV rows, and the store, its replacement client and the mover stay usable."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import kvmove
+from kvmove import Status
+from kvmove.status import CALL_TIMEOUT
+from kvmove.store.bounded_call import CallRunner, SpanBudget, call_bounded, settled
+from tests.support.caches import make_layers, snapshot
+from tests.support.holder import Holder
+from tests.support.store_state import regions_in_use, registered_regions
+
+PAGE = 4
+
+
+def test_a_call_past_its_bound_is_late_and_completes_when_it_returns():
+    release = threading.Event()
+    returned = []
+    out = call_bounded(release.wait, 30, timeout=0.05, on_return=lambda: returned.append(1))
+    assert not out.done and out.late is not None and not out.late.done()
+    assert returned == []
+    # Another call is not held up by the stuck one.
+    quick = call_bounded(lambda x: x * 2, 21, timeout=5)
+    assert quick.done and quick.value == 42
+    joined = settled([out.late, None, quick.late])
+    assert joined is out.late
+    release.set()
+    assert out.late.result(5) is True
+    assert returned == [1]
+    assert settled([out.late]) is None
+
+
+def test_errors_are_returned_and_settled_joins_several():
+    out = call_bounded(lambda: 1 / 0, timeout=5)
+    assert out.done and isinstance(out.error, ZeroDivisionError)
+    gates = [threading.Event() for _ in range(3)]
+    runner = CallRunner("test-runner", max_idle=1)
+    lates = [call_bounded(g.wait, 30, timeout=0.01, runner=runner).late for g in gates]
+    joined = settled(lates)
+    for g in gates[:2]:
+        g.set()
+    time.sleep(0.05)
+    assert not joined.done()
+    gates[2].set()
+    joined.result(5)
+
+
+def test_span_budget_counts_spans_in_flight():
+    budget = SpanBudget(100)
+    assert budget.acquire(60, 1) == 60
+    assert budget.acquire(60, 0.05) == 0  # would pass the limit
+    assert budget.acquire(500, 0.05) == 0  # a call larger than the limit waits for all
+    budget.release(60)
+    assert budget.acquire(500, 1) == 100 and budget.in_flight == 100
+    budget.release(100)
+    assert budget.in_flight == 0
+
+
+@pytest.mark.store
+def test_a_stalled_holder_ends_failed_at_the_bound_and_memory_waits_for_mooncake():
+    bound = 2.0
+    with kvmove.EmbeddedMaster() as master:
+        holder = Holder(master.address)
+        store = kvmove.MooncakeStore(kvmove.StoreConfig(
+            master_address=master.address, local_hostname="127.0.0.1",
+            global_segment_size=0, call_timeout=bound))
+        kv = kvmove.KVCache({"kv": make_layers(3, 64, 656, torch.uint8, seed=5)})
+        mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=8,
+                               key_prefix="stall")
+        try:
+            src = torch.arange(0, 16).reshape(4, PAGE)
+            dst = torch.arange(32, 48).reshape(4, PAGE)
+            keys = [f"s{i}" for i in range(4)]
+            assert mover.evict(keys, src).wait(30) == [Status.OK] * 4
+            first = store._state.client
+            holder.kill(signal.SIGSTOP)
+            before = snapshot(kv)
+            t0 = time.monotonic()
+            result = mover.prefetch(keys, dst).result(30)
+            took = time.monotonic() - t0
+            assert result.statuses == [Status.FAILED] * 4
+            assert result.codes == [CALL_TIMEOUT] * 4
+            assert took < 30  # Mooncake alone would take its 60-s cap
+            after = snapshot(kv)  # nothing reached the KV rows
+            assert all(torch.equal(a, b) for a, b in zip(before["kv"], after["kv"],
+                                                         strict=True))
+            # The get given up still owns its memory: slots allocated, region in use,
+            # and the mover's close leaves the staging to the call's return.
+            assert mover.staging.num_free == 4
+            staging_regions = {a for a, _ in mover.staging.regions()}
+            assert staging_regions & set(regions_in_use(store))
+            with pytest.raises(kvmove.StoreError, match="in flight"):
+                store.unregister(mover.staging)
+            deadline = time.monotonic() + 10
+            while store._state.client is first and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert store._state.client is not first  # replaced
+            mover.close()  # returns at once; the staging is released later
+            assert mover.staging.num_free == 4
+        finally:
+            holder.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while mover.staging.num_free < 8:
+            assert time.monotonic() < deadline, "the get given up never returned"
+            time.sleep(0.1)
+        time.sleep(0.2)  # the last callback unregisters the staging
+        assert not staging_regions & {a for a, _ in registered_regions(store)}
+        assert not regions_in_use(store)
+        # The store (its new client) carries on.
+        other = kvmove.KVCache({"kv": make_layers(3, 64, 656, torch.uint8, seed=6)})
+        with kvmove.KVMover(other, store, page_tokens=PAGE, staging_slots=8,
+                            key_prefix="stall2") as again:
+            assert again.evict(keys, src).wait(30) == [Status.OK] * 4
+            assert again.prefetch(keys, dst).wait(30) == [Status.OK] * 4
+            for layer in range(3):
+                assert torch.equal(other.layer("kv", layer)[32:48],
+                                   other.layer("kv", layer)[0:16])
+        store.close()
+        holder.close()

@@ -1,0 +1,97 @@
+"""The transport's limits, kept in one place per protocol (kvmove.store.transport_limits),
+and how the store cuts a batch by them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvmove
+from kvmove.store.transport_limits import (
+    TCP_QUEUE_VARS,
+    TransportLimits,
+    limits_for,
+    prepare_environment,
+)
+from tests.support.staging_data import make_staging
+
+pytestmark = pytest.mark.store
+
+
+def test_tcp_limits_follow_the_queue_variables():
+    default = limits_for("tcp", {})
+    assert (default.call_spans, default.inflight_spans) == (1024, 1024)
+    raised = limits_for("tcp", dict.fromkeys(TCP_QUEUE_VARS, "65535"))
+    assert (raised.call_spans, raised.inflight_spans) == (2048, 8192)
+    small = limits_for("tcp", {TCP_QUEUE_VARS[0]: "300"})
+    assert (small.call_spans, small.inflight_spans) == (300, 300)
+    junk = limits_for("tcp", {TCP_QUEUE_VARS[0]: "lots"})  # Mooncake's default then
+    assert junk.inflight_spans == 1024
+
+
+def test_other_protocols_and_overrides():
+    rdma = limits_for("rdma", {})
+    assert (rdma.call_spans, rdma.inflight_spans) == (1024, 4096)
+    assert "not measured" in rdma.basis
+    mine = limits_for("tcp", {}, call_spans=64, inflight_spans=128)
+    assert (mine.call_spans, mine.inflight_spans) == (64, 128)
+    assert limits_for("tcp", {}, call_spans=5000).call_spans == 1024  # never above in flight
+    with pytest.raises(ValueError, match="call_spans"):
+        TransportLimits(0, 10, "x")
+
+
+def test_prepare_environment_raises_tcp_queues_unless_set():
+    env: dict[str, str] = {}
+    prepare_environment("tcp", env)
+    assert env == dict.fromkeys(TCP_QUEUE_VARS, "65535")
+    mine = {TCP_QUEUE_VARS[0]: "2048"}
+    prepare_environment("tcp", mine)
+    assert mine[TCP_QUEUE_VARS[0]] == "2048" and mine[TCP_QUEUE_VARS[1]] == "65535"
+    other: dict[str, str] = {}
+    prepare_environment("rdma", other)
+    assert other == {}
+
+
+def test_store_config_bound_fields():
+    config = kvmove.StoreConfig(master_address="h:1")
+    assert config.call_timeout == 10.0 and config.max_call_spans is None
+    env = {"MOONCAKE_MASTER": "h:1", "KVMOVE_CALL_TIMEOUT": "2.5"}
+    assert kvmove.StoreConfig.from_env(env).call_timeout == 2.5
+    for bad in (0, -1, "soon", float("inf"), True):
+        with pytest.raises(ValueError, match="call_timeout"):
+            kvmove.StoreConfig(master_address="h:1", call_timeout=bad)
+    with pytest.raises(ValueError, match="max_call_spans"):
+        kvmove.StoreConfig(master_address="h:1", max_call_spans=0)
+    with pytest.raises(ValueError, match="KVMOVE_CALL_TIMEOUT"):
+        kvmove.StoreConfig.from_env({**env, "KVMOVE_CALL_TIMEOUT": "x"})
+
+
+def test_batches_are_cut_by_spans_and_keys(keyspace, monkeypatch):
+    # 40 keys of 9 spans (3 layers x 3 buffers) = 360 spans; 100 spans per call and 16
+    # keys per call cut it into calls of 11 keys (99 spans), run side by side as the spans
+    # in flight allow; every byte reads back.
+    with kvmove.MooncakeStore.embedded(global_segment_size="64mb", max_call_spans=100,
+                                       max_batch_keys=16) as store:
+        staging = make_staging({"a": (3, 132), "b": (3, 656), "c": (3, 4)}, num_slots=80,
+                               page_tokens=2, seed=7)
+        keys = keyspace(40)
+        calls: list[tuple[str, int, int]] = []
+        real = store._batch
+
+        def counting(fn, keys_, *args):
+            spans = sum(map(len, args[0])) if fn.__name__.endswith("multi_buffers") else 0
+            calls.append((fn.__name__, len(keys_), spans))
+            return real(fn, keys_, *args)
+
+        monkeypatch.setattr(store, "_batch", counting)
+        assert store.put(kvmove.describe(staging, list(range(40)), keys)).all_ok
+        puts = [c for c in calls if c[0] == "batch_put_from_multi_buffers"]
+        assert sorted(c[1] for c in puts) == [7, 11, 11, 11]  # they run side by side
+        assert max(c[2] for c in puts) <= 100
+        calls.clear()
+        got = store.get(kvmove.describe(staging, list(range(40, 80)), keys))
+        assert got.all_ok and got.late is None
+        assert sorted(c[1] for c in calls) == [7, 11, 11, 11]
+        for name in ("a", "b", "c"):
+            t = staging.tensor(name)
+            assert torch.equal(t[:, 40:80], t[:, :40])
