@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as concurrent_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,25 @@ class CompletedEvent:
 
     def wait(self, stream=None) -> None:
         return None
+
+
+class FutureEvent:
+    """Stands in for a CUDA event where the work it marks is a background job on the host
+    (an in-place put reading device rows): ``query()`` says whether it ended;
+    ``synchronize()`` and ``wait(stream)`` block the host until it has (no stream can wait
+    for host work, so ``wait`` waits here, whatever the stream)."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        concurrent_wait([self._future])
+
+    def wait(self, stream=None) -> None:
+        self.synchronize()
 
 
 @dataclass
