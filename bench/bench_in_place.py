@@ -70,6 +70,8 @@ def run_workload(name: str, store, args) -> dict:
     layers, row_bytes, page_tokens, pages, target = WORKLOADS[name]
     if args.quick:
         pages = max(8, pages // 4)
+    pages = args.pages or pages
+    layers = args.layers or layers
     num_slots = 4 * pages * page_tokens + 2
     g = torch.Generator().manual_seed(1)
     cache = torch.randint(0, 256, (layers, num_slots, row_bytes), dtype=torch.uint8,
@@ -207,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a quarter of the pages, 3 repeats")
+    p.add_argument("--pages", type=int, default=None, help="pages per call (both workloads)")
+    p.add_argument("--layers", type=int, default=None, help="layers (both workloads)")
     p.add_argument("--json", nargs="?", const=str(RESULTS / "bench_in_place.json"),
                    default=None, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)

@@ -6,7 +6,9 @@ bench.report``).
 The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of this
 package, run as ``python -m <module> ... --json PATH`` in a process of their own (their
 results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
-``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_calls.py`` (the
+``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_in_place.py``
+(``KVMover`` on a host-memory cache against the store reading and writing the KV rows in
+place), ``bench/bench_calls.py`` (the
 fixed cost of one call, back to back) and ``bench/bench_vllm.py`` (vLLM connector save/load
 against vLLM's own Mooncake connector, in ``.venv-vllm``). A suite whose module is missing
 is skipped with a message.
@@ -41,6 +43,7 @@ SUITES = {
               ["--keys", "1024", "--repeat", "5", "--store-keys", "32", "--store-repeat", "3"],
               []),
     "mover": ("bench.bench_mover", ["--quick"], []),
+    "in_place": ("bench.bench_in_place", ["--quick"], []),
     "calls": ("bench.bench_calls", ["--quick"], []),
     "vllm": ("bench.bench_vllm", ["--quick"], []),
     "sglang": ("bench.bench_sglang", ["--quick"], []),

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -111,13 +112,13 @@ class KVMover:
     (:class:`kvmove.in_place.InPlaceRows`, the KV memory registered with the store while the
     mover lives), with no staging (a one-slot staging stands in); ``"auto"`` (default): the
     faster of the two for this cache, page shape and transport, for evictions and for
-    prefetches each, measured when the mover is built (or recorded by an earlier mover of
-    the same kind). ``mover.path`` says which (``"mixed"`` where the directions differ:
-    ``mover.path_choice.evict`` / ``.prefetch``, and why in ``.reason``). Objects, keys and
-    statuses are the same on both paths. In
-    place, ``evict`` returns once the put has read the rows (CPU; on CUDA ``gathered``
-    completes then), a prefetch lands every layer at once, and a ``FAILED`` key whose
-    transfer broke mid-way may leave part of its object in its own rows (MISS and
+    prefetches each: measured when the mover is built for one-token pages (or recorded by
+    an earlier mover of the same kind); staged for pages of several tokens. ``mover.path``
+    says which (``"mixed"`` where the directions differ: ``mover.path_choice.evict`` /
+    ``.prefetch``, and why in ``.reason``). Objects, keys and statuses are the same on both
+    paths. In place, ``evict`` returns once the put has read the rows (CPU; on CUDA
+    ``gathered`` completes then), a prefetch lands every layer at once, and a ``FAILED``
+    key whose transfer broke mid-way may leave part of its object in its own rows (MISS and
     SIZE_MISMATCH never write). ``checksum=True`` and a device cache over a transport that
     does not read device memory refuse ``"in_place"`` (``auto`` stays staged).
     """
@@ -430,8 +431,8 @@ class KVMover:
                 s.bytes_got += result.nbytes
                 s.get_s += result.times.get
                 s.scatter_s += result.times.scatter
-            for st in result.statuses:
-                s.statuses[st] += 1
+            for st, k in Counter(result.statuses).items():
+                s.statuses[st] += k
 
     # -- background jobs ------------------------------------------------------------------
     def _put_job(self, piece: Call, slots: torch.Tensor, gathered, gather_s: float
@@ -700,4 +701,6 @@ def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None
 
 
 def _ok_bytes(desc: Descriptors, statuses: list[Status]) -> int:
+    if all(s is Status.OK for s in statuses):  # the common case, without a pass per key
+        return desc.total_bytes
     return sum(desc.nbytes(i) for i, s in enumerate(statuses) if s is Status.OK)

@@ -3,17 +3,26 @@ store reads the staging; get into staging, scatter) or ``"in_place"`` (the store
 writes the KV rows where they are, :mod:`kvmove.in_place`), and how ``path="auto"``
 chooses, for evictions and for prefetches each.
 
-``auto`` measures. When a mover is built, a short probe builds two small movers, one per
-path, on a scratch cache of the same geometry (buffers, layers, row bytes, row pitch, the
-same kind of memory), and times evictions and prefetches of a batch of pages (as many as
-the staging holds, 4 to 32) through the mover's own store, interleaved, taking medians.
-Pages of more than one token are probed with scattered tokens (no two in consecutive
-slots: HiSparse's pattern, the one that costs the in-place path most spans). The faster
-path wins, per direction: a put pays Mooncake's cost per span more than a get does, so
-scattered token rows can be faster staged to evict and in place to prefetch. The choice is
-recorded for the rest of the process by geometry, page size, layout, memory kind and the
-store's transport and master: a later mover of the same kind takes it without probing, so
-``auto`` is deterministic once chosen.
+``auto`` measures where the answer is open. For one-token pages (a vLLM block, a token of
+HiSparse's host pool) a page is one span per layer either way, and in place saves the copy.
+When such a mover is built, a short probe builds two small movers, one per path, on a
+scratch cache of the same geometry (buffers, layers, row bytes, row pitch, the same kind of
+memory), and times evictions and prefetches of a batch of pages (as many as the staging
+holds, 4 to 32) through the mover's own store, interleaved, and takes the best of a few
+calls (other work on the machine only ever adds time, so the best is the steadiest estimate
+of a path's own cost). The faster path wins, per direction. The choice is recorded for the
+rest of the process by geometry, page size, layout, memory kind and the store's transport
+and master: a later mover of the same kind takes it without probing, so ``auto`` is
+deterministic once chosen.
+
+Pages of several tokens stay staged under ``auto``, by a choice recorded from measurement
+rather than probed: where the engine's tokens are scattered (HiSparse), a page in place is
+one span per token row, ``page_tokens`` times the spans of its staged object, and that is
+slower than the gather (``bench/bench_in_place.py``: 48 pages of 16 scattered 656-byte
+tokens x 61 layers, put in place 1.13x the in-place floor, staged 0.76x) and, over TCP into
+another process's segment, many-span objects stall Mooncake 0.3.13 for its 60 s transfer
+timeout (seen: a two-process cluster, 32 keys of 128 spans). An engine whose pages are
+runs of consecutive slots (one span per layer in place too) passes ``path="in_place"``.
 
 In place is not offered, and ``auto`` picks ``staged`` without probing, where it cannot
 hold: a KV cache in device memory over a transport that does not read it (TCP), objects
@@ -34,7 +43,6 @@ not, it stays staged.
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 import uuid
@@ -64,8 +72,8 @@ PROBE_BUDGET_S = 5.0  # a probe that has not finished its rounds by then decides
 @dataclass(frozen=True)
 class PathChoice:
     """The path of evictions (``evict``) and of prefetches (``prefetch``), and why:
-    ``reason`` is one line for the log; ``figures`` the probe's medians in ms per path and
-    direction (empty when nothing was measured); ``recorded`` whether an earlier probe
+    ``reason`` is one line for the log; ``figures`` the probe's best times in ms per path
+    and direction (empty when nothing was measured); ``recorded`` whether an earlier probe
     decided. ``path`` is the path of both directions, or ``"mixed"``."""
 
     evict: str
@@ -130,6 +138,10 @@ def resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str, che
         return PathChoice.both("in_place", "asked for")
     if refusal is not None:
         return PathChoice.both("staged", f"auto: in place is not possible ({refusal})")
+    if page_tokens > 1:
+        return PathChoice.both("staged", f"auto: pages of {page_tokens} tokens (in place, "
+                                         f"scattered tokens are one span per row: slower, "
+                                         f"and many-span objects stall Mooncake over TCP)")
     key = record_key(kv, store, page_tokens, layout)
     with _RECORD_LOCK:
         recorded = _RECORDED.get(key)
@@ -148,7 +160,7 @@ def resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str, che
 
 
 def decide(figures: dict) -> PathChoice:
-    """Per direction, the faster path by the probe's medians (``figures[path][direction]``,
+    """Per direction, the faster path by the probe's best times (``figures[path][direction]``,
     ms per call); staged when the probe found that a failed in-place get writes into the
     rows (``figures["unsafe"]``)."""
     if figures.get("unsafe"):
@@ -158,7 +170,7 @@ def decide(figures: dict) -> PathChoice:
     said = "; ".join(f"{d} {picked[d]} (in place {in_place[d]:.2f} ms, staged "
                      f"{staged[d]:.2f} ms)" for d in DIRECTIONS)
     return PathChoice(picked["evict"], picked["prefetch"],
-                      f"auto: {said}, {figures['pages']} pages, medians of "
+                      f"auto: {said}, {figures['pages']} pages, best of "
                       f"{figures['rounds']}", figures)
 
 
@@ -185,8 +197,8 @@ def scratch_cache(kv: KVCache, num_slots: int) -> KVCache:
 
 def probe_pages(page_tokens: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(source pages, destination pages, slots needed): token ``t`` of page ``i`` in slot
-    ``2 * (i * page_tokens + t)`` (sources) or the slot after it (destinations), so that no
-    two tokens of a page are in consecutive slots."""
+    ``2 * (i * page_tokens + t)`` (sources) or the slot after it (destinations): no two
+    tokens of a page, and no two pages, in consecutive slots."""
     rows = 2 * torch.arange(pages * page_tokens, dtype=torch.int64).reshape(pages, page_tokens)
     return rows, rows + 1, 2 * pages * page_tokens
 
@@ -198,8 +210,8 @@ def probe(kv: KVCache, store, *, page_tokens: int, layout: str,
     staged and an in-place mover (``make_mover(cache, path, staging_slots)``) on a scratch
     cache of ``kv``'s geometry, interleaved; first check that failed in-place gets leave the
     rows untouched. Returns ``{"staged": {"evict": ms, "prefetch": ms}, "in_place": {...},
-    "pages": n, "rounds": r}`` (medians), or ``{"unsafe": why}``. Raises where a call does
-    not end OK."""
+    "pages": n, "rounds": r}`` (the best of ``rounds`` calls), or ``{"unsafe": why}``.
+    Raises where a call does not end OK."""
     pages = min(max(pages, PROBE_PAGES[0]), PROBE_PAGES[1])
     src, dst, slots = probe_pages(page_tokens, pages)
     cache = scratch_cache(kv, slots)
@@ -231,9 +243,8 @@ def probe(kv: KVCache, store, *, page_tokens: int, layout: str,
         _forget(store, stored)
         for m in movers.values():
             m.close()
-    medians = {p: {d: statistics.median(v) * 1e3 for d, v in by.items()}
-               for p, by in samples.items()}
-    return {**medians, "pages": pages, "rounds": len(samples["staged"]["evict"])}
+    best = {p: {d: min(v) * 1e3 for d, v in by.items()} for p, by in samples.items()}
+    return {**best, "pages": pages, "rounds": len(samples["staged"]["evict"])}
 
 
 def _timed(mover, direction: str, keys: list[str], src: torch.Tensor,

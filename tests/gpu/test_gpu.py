@@ -606,3 +606,12 @@ def test_device_indices_with_a_bad_row_fail_that_key_only(gpu_store, keyspace):
         missing.scattered.synchronize()
     finally:
         mover.close()
+
+
+def test_a_gpu_cache_over_tcp_is_never_moved_in_place(gpu_store):
+    # TCP copies through host buffers it owns: it cannot read or write device rows.
+    kv = build([("kv", 2, 656, torch.uint8, 0)], 256)
+    with pytest.raises(ValueError, match="does not read device memory"):
+        kvmove.KVMover(kv, gpu_store, page_tokens=4, staging_slots=4, path="in_place")
+    with kvmove.KVMover(kv, gpu_store, page_tokens=4, staging_slots=4) as mover:
+        assert mover.path == "staged" and "device memory" in mover.path_choice.reason

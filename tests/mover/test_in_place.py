@@ -323,27 +323,30 @@ def test_auto_is_deterministic_once_chosen(store, keyspace, monkeypatch):
     real = mover_module.probe
     monkeypatch.setattr(mover_module, "probe", lambda *a, **k: probes.append(k) or real(*a, **k))
     kv = kvmove.KVCache(GEOMETRIES["hybrid"](64))
-    first = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4)
-    second = kvmove.KVMover(kvmove.KVCache(GEOMETRIES["hybrid"](64)), store, page_tokens=4,
+    first = kvmove.KVMover(kv, store, page_tokens=1, staging_slots=4)
+    second = kvmove.KVMover(kvmove.KVCache(GEOMETRIES["hybrid"](64)), store, page_tokens=1,
                             staging_slots=16)
-    other = kvmove.KVMover(kv, store, page_tokens=2, staging_slots=4)
+    other = kvmove.KVMover(kvmove.KVCache(GEOMETRIES["mla"](64)), store, page_tokens=1,
+                           staging_slots=4)
+    several = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4)
     try:
         assert len(probes) == 2  # the second mover of a kind takes the recorded choice
         a, b = first.path_choice, second.path_choice
         assert (a.evict, a.prefetch, a.reason) == (b.evict, b.prefetch, b.reason)
         assert b.recorded and not a.recorded and not other.path_choice.recorded
+        assert several.path == "staged" and "pages of 4 tokens" in several.path_choice.reason
         for d in ("evict", "prefetch"):
             assert a.figures["staged"][d] > 0 and a.figures["in_place"][d] > 0
         assert a.path in ("staged", "in_place", "mixed")
         # Whatever it picked, the objects are the staged ones and read back.
-        keys = keyspace(2)
+        keys = keyspace(8)
         want = rows_bytes(kv, torch.arange(8))
-        assert first.evict(keys, torch.arange(8).reshape(2, 4)).wait(30) == [Status.OK] * 2
-        assert second.prefetch(keys, torch.arange(32, 40).reshape(2, 4)).wait(30) == [
-            Status.OK] * 2
+        assert first.evict(keys, torch.arange(8).reshape(8, 1)).wait(30) == [Status.OK] * 8
+        assert second.prefetch(keys, torch.arange(32, 40).reshape(8, 1)).wait(30) == [
+            Status.OK] * 8
         assert rows_bytes(second.kv, torch.arange(32, 40)) == want
     finally:
-        for m in (first, second, other):
+        for m in (first, second, other, several):
             m.close()
 
 
@@ -366,6 +369,6 @@ def test_a_probe_that_fails_leaves_auto_staged(store, monkeypatch):
 
     monkeypatch.setattr(mover_module, "probe", broken)
     kv = kvmove.KVCache(GEOMETRIES["mla"](16))
-    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=2) as m:
+    with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2) as m:
         assert m.path == "staged" and "probe failed" in m.path_choice.reason
     path_choice.forget_recorded()
