@@ -161,8 +161,18 @@ def bench(args) -> dict:
         "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
         "save_ratio": med["vLLM save"] / med["kvmove save"],
         "load_ratio": med["vLLM load"] / med["kvmove load"],
+        # vLLM's time over kvmove's within each repeat (the two ran within milliseconds of
+        # each other, so that the load of a shared machine, drifting over seconds, cancels)
+        "paired_ratio": {op: _paired(rows[f"vLLM {op}"], rows[f"kvmove {op}"])
+                         for op in ("save", "load")},
         "kvmove_path": {"save": choice.evict, "load": choice.prefetch, "why": choice.reason},
     }
+
+
+def _paired(theirs: list[float], ours: list[float]) -> dict:
+    ratios = [a / b for a, b in zip(theirs, ours, strict=True)]
+    q1, q3 = statistics.quantiles(ratios, n=4)[0::2] if len(ratios) > 1 else (ratios[0],) * 2
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
 def report(result: dict, console) -> None:
@@ -179,6 +189,11 @@ def report(result: dict, console) -> None:
     console.print(table)
     console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
                   f"{s['save_ratio']:.2f}x, load {s['load_ratio']:.2f}x")
+    paired = s.get("paired_ratio")
+    if paired:
+        console.print("the same, per repeat (median of paired ratios, quartiles): " + ", ".join(
+            f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
+            for op, p in paired.items()))
     path = s.get("kvmove_path")
     if path:
         console.print(f"kvmove's path: save {path['save']}, load {path['load']} "

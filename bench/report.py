@@ -164,12 +164,16 @@ def suite_section(name: str, suite: dict) -> list[str]:
                 f"{w['workload']}: {w['pages']} pages x {w['page_tokens']} tokens x "
                 f"{w['row_bytes']} B x {w['layers']} layers ({w['spans_per_key_in_place']} "
                 f"spans per key in place), medians of {w['repeats']}:", "",
-                "| method | median ms | spread | / floor |", "|---|---:|---:|---:|"]
+                "| method | median ms | spread | / floor (median of paired ratios, "
+                "quartiles) |", "|---|---:|---:|---:|"]
         for op in ("put", "get"):
-            floor = w["median_ms"][f"floor {op}"]
-            out += [f"| {k} | {v:.2f} | {w['spread'][k] * 100:.0f}% | {v / floor:.2f}x |"
-                    for k, v in w["median_ms"].items()
-                    if k.endswith(op) or (op == "put" and "no EXISTS" in k)]
+            for k, v in w["median_ms"].items():
+                if k.endswith(op) or (op in k and "(" in k):
+                    pair = k.removeprefix("KVMover ")
+                    q = w["over_floor_quartiles"].get(pair)
+                    cell = (f"{w['over_floor'][pair]:.2f}x ({q[0]:.2f}-{q[1]:.2f})" if q
+                            else "")
+                    out.append(f"| {k} | {v:.2f} | {w['spread'][k] * 100:.0f}% | {cell} |")
         met = {op: "met" if w["met"][op] else "missed" for op in ("put", "get")}
         out += ["", f"- `auto` picked {w['auto_path']} ({w['auto_reason']}): put "
                     f"{w['over_floor']['auto put']:.2f}x the floor ({met['put']}), get "
@@ -183,6 +187,10 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += _gbps_table(v["median_GBps"])
         out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
                 f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x"]
+        if "paired_ratio" in v:
+            out.append("- per repeat (median of paired ratios, quartiles): " + ", ".join(
+                f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
+                for op, p in v["paired_ratio"].items()))
         if "kvmove_path" in v:
             p = v["kvmove_path"]
             out.append(f"- kvmove's path: save {p['save']}, load {p['load']} ({p['why']})")

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from kvmove.transfer import (
     FutureEvent,
     LayerProgress,
     StageTimes,
+    StealableJob,
     Transfer,
     TransferResult,
     join_results,
@@ -287,8 +289,16 @@ class KVMover:
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
-        job = self._get_job if self._prefetch_rows is None else self._get_in_place
-        transfer.add_piece(0, self._submit(job, call, layerwise, transfer.progress))
+        if self._prefetch_rows is None:
+            transfer.add_piece(0, self._submit(self._get_job, call, layerwise,
+                                               transfer.progress))
+            return transfer
+        # In place, every layer lands with the one get: a caller that waits before a worker
+        # has picked the job up runs it itself (no thread hand-off on its way).
+        job = StealableJob(partial(self._get_in_place, call, layerwise, transfer.progress),
+                           self._inline_run)
+        self._submit(job.run)
+        transfer.add_piece(0, job)
         return transfer
 
     # -- the call -------------------------------------------------------------------------
@@ -585,18 +595,25 @@ class KVMover:
             with self._lock:
                 if self._closed:
                     raise KVMoveError("the KVMover is closed")
-                self._inline += 1
-            try:
+            with self._inline_run():
                 transfer.add_piece(0, self._put_in_place(call))
-            finally:
-                with self._inline_done:
-                    self._inline -= 1
-                    self._inline_done.notify_all()
             return transfer
         future = self._submit(self._put_in_place, call)
         transfer.add_piece(0, future)
         transfer.gathered = FutureEvent(future)
         return transfer
+
+    @contextlib.contextmanager
+    def _inline_run(self):
+        """Count a transfer that runs on a caller's thread (``close()`` waits for them)."""
+        with self._lock:
+            self._inline += 1
+        try:
+            yield
+        finally:
+            with self._inline_done:
+                self._inline -= 1
+                self._inline_done.notify_all()
 
     def _put_in_place(self, call: Call) -> TransferResult:
         n = len(call.keys)

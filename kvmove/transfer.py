@@ -45,6 +45,47 @@ class FutureEvent:
         self.synchronize()
 
 
+class StealableJob(Future):
+    """A job queued for a worker thread that the first thread to wait for it runs itself,
+    when no worker has started it yet (that waiter would only block meanwhile; on a busy
+    machine a worker can take milliseconds to be scheduled). Runs exactly once, either way;
+    a waiter's run is inside ``guard()`` (the mover counts such runs, so that ``close()``
+    waits for them too). A :class:`~concurrent.futures.Future` for everything else."""
+
+    def __init__(self, fn, guard):
+        super().__init__()
+        self._fn, self._guard = fn, guard
+        self._claim_lock = threading.Lock()
+        self._claimed = False
+
+    def _claim(self) -> bool:
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
+
+    def _execute(self) -> None:
+        self.set_running_or_notify_cancel()
+        try:
+            self.set_result(self._fn())
+        except BaseException as e:  # surfaced by result(), as a worker's would be
+            self.set_exception(e)
+
+    def run(self) -> None:
+        """The worker's entry: run the job unless a waiter has."""
+        if self._claim():
+            self._execute()
+
+    def steal(self) -> None:
+        """Run the job here unless a worker (or another waiter) has started it."""
+        if self._claim():
+            with self._guard():
+                self._execute()
+
+    def result(self, timeout=None):
+        self.steal()
+        return super().result(timeout)
+
+
 @dataclass
 class StageTimes:
     """Seconds spent per stage of one transfer (host-side wall clock)."""
@@ -222,6 +263,9 @@ class Transfer:
         n = self.progress.num_layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise IndexError(f"layer must be in 0..{n - 1}, got {layer!r}")
+        for _, piece in self._pieces:  # a job no worker has started yet: run it here
+            if isinstance(piece, StealableJob):
+                piece.steal()
         reached, event = self.progress.wait(layer, timeout)
         if not reached:
             raise TimeoutError(f"layer {layer} of the {self.kind} is not in the KV cache yet")
