@@ -2,8 +2,9 @@
 ``MooncakeStoreConnector`` path, in the same run, on the same KV tensors and store.
 
 - kvmove: the connector's worker path: the KV cache as ``block_regions`` views, a
-  ``KVMover`` with raw (vLLM) keys; save = one gather of the blocks into staging + put,
-  load = get + scatter into the blocks (whole-cache, and layer by layer).
+  ``KVMover`` with raw (vLLM) keys and the connector's default ``path="auto"`` (what it picks
+  is reported): save = a put straight from the blocks, or a gather into staging + put;
+  load = a get straight into the blocks, or get + scatter (whole-cache, and layer by layer).
 - vLLM: its worker's data path: ``RankLocalStoreLayout.prepare_values`` descriptors straight
   into the registered KV cache, ``batch_is_exist`` + ``batch_put_from_multi_buffers`` on save,
   ``batch_get_into_multi_buffers`` on load (zero copy), as its send/receive threads do.
@@ -81,7 +82,8 @@ def bench(args) -> dict:
     with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
         views, _ = block_regions([(f"l{i}", t) for i, t in enumerate(src)], num_blocks)
         mover = kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
-                               staging_slots=n, raw_keys=True)
+                               staging_slots=n, raw_keys=True, path=args.path)
+        choice = mover.path_choice
         client = store._client  # vLLM's path talks to the same Mooncake client
         store.register([(storage.data_ptr(), storage.nbytes())])
         replicate = ReplicateConfig()
@@ -159,7 +161,18 @@ def bench(args) -> dict:
         "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
         "save_ratio": med["vLLM save"] / med["kvmove save"],
         "load_ratio": med["vLLM load"] / med["kvmove load"],
+        # vLLM's time over kvmove's within each repeat (the two ran within milliseconds of
+        # each other, so that the load of a shared machine, drifting over seconds, cancels)
+        "paired_ratio": {op: _paired(rows[f"vLLM {op}"], rows[f"kvmove {op}"])
+                         for op in ("save", "load")},
+        "kvmove_path": {"save": choice.evict, "load": choice.prefetch, "why": choice.reason},
     }
+
+
+def _paired(theirs: list[float], ours: list[float]) -> dict:
+    ratios = [a / b for a, b in zip(theirs, ours, strict=True)]
+    q1, q3 = statistics.quantiles(ratios, n=4)[0::2] if len(ratios) > 1 else (ratios[0],) * 2
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
 def report(result: dict, console) -> None:
@@ -176,6 +189,15 @@ def report(result: dict, console) -> None:
     console.print(table)
     console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
                   f"{s['save_ratio']:.2f}x, load {s['load_ratio']:.2f}x")
+    paired = s.get("paired_ratio")
+    if paired:
+        console.print("the same, per repeat (median of paired ratios, quartiles): " + ", ".join(
+            f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
+            for op, p in paired.items()))
+    path = s.get("kvmove_path")
+    if path:
+        console.print(f"kvmove's path: save {path['save']}, load {path['load']} "
+                      f"({path['why']})")
 
 
 def main(argv=None) -> int:
@@ -187,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--path", choices=["auto", "staged", "in_place"], default="auto",
+                   help="the mover's path (the connector's default: auto)")
     p.add_argument("--quick", action="store_true", help="64 blocks, 5 repeats")
     p.add_argument("--json", nargs="?", const=str(RESULTS / "bench_vllm.json"), default=None,
                    metavar="PATH", help="also write the results as JSON")

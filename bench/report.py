@@ -166,6 +166,27 @@ def suite_section(name: str, suite: dict) -> list[str]:
                        "parallel torch call pays a wake-up; torch's default (spinning) "
                        "workers make small copies cheaper on both sides")
         out.append("")
+    for w in suite.get("in_place", []):
+        out += [f"KVMover on a host-memory cache against the in-place floor (the raw client "
+                f"reading and writing the KV rows in place, same client and store), "
+                f"{w['workload']}: {w['pages']} pages x {w['page_tokens']} tokens x "
+                f"{w['row_bytes']} B x {w['layers']} layers ({w['spans_per_key_in_place']} "
+                f"spans per key in place), medians of {w['repeats']}:", "",
+                "| method | median ms | spread | / floor (median of paired ratios, "
+                "quartiles) |", "|---|---:|---:|---:|"]
+        for op in ("put", "get"):
+            for k, v in w["median_ms"].items():
+                if k.endswith(op) or (op in k and "(" in k):
+                    pair = k.removeprefix("KVMover ")
+                    q = w["over_floor_quartiles"].get(pair)
+                    cell = (f"{w['over_floor'][pair]:.2f}x ({q[0]:.2f}-{q[1]:.2f})" if q
+                            else "")
+                    out.append(f"| {k} | {v:.2f} | {w['spread'][k] * 100:.0f}% | {cell} |")
+        met = {op: "met" if w["met"][op] else "missed" for op in ("put", "get")}
+        out += ["", f"- `auto` picked {w['auto_path']} ({w['auto_reason']}): put "
+                    f"{w['over_floor']['auto put']:.2f}x the floor ({met['put']}), get "
+                    f"{w['over_floor']['auto get']:.2f}x ({met['get']}); target <= "
+                    f"{w['target']:g}x", ""]
     v = suite.get("vllm")
     if v:
         out += [f"vLLM connector save/load of {v['blocks']} blocks of "
@@ -173,7 +194,15 @@ def suite_section(name: str, suite: dict) -> list[str]:
                 "MooncakeStoreConnector path on the same KV tensors:", ""]
         out += _gbps_table(v["median_GBps"])
         out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
-                f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x", ""]
+                f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x"]
+        if "paired_ratio" in v:
+            out.append("- per repeat (median of paired ratios, quartiles): " + ", ".join(
+                f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
+                for op, p in v["paired_ratio"].items()))
+        if "kvmove_path" in v:
+            p = v["kvmove_path"]
+            out.append(f"- kvmove's path: save {p['save']}, load {p['load']} ({p['why']})")
+        out.append("")
     if "median_GBps" in suite:
         what = ", ".join(f"{k} {suite[k]}" for k in ("device", "layers", "page_tokens", "pages")
                          if k in suite)

@@ -6,13 +6,14 @@ bench.report``).
 The kernel benchmark is :mod:`bench.kernels`. Other suites plug in as modules of this
 package, run as ``python -m <module> ... --json PATH`` in a process of their own (their
 results, included under ``suites``): ``bench/bench_store.py`` (descriptors, store put/get) and
-``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_calls.py`` (the
-fixed cost of one call, back to back), ``bench/bench_gpu.py`` (the GPU path's goals: vs
-bulk and per-page copies, beside a matmul, copy engine vs kernel; skipped without a GPU),
-``bench/bench_vllm.py`` (vLLM connector save/load against vLLM's own Mooncake connector, in
-``.venv-vllm``) and ``bench/bench_direct.py`` (prefill -> decode host pool: PageSender
-against evict + get through the store). A suite whose module is missing is skipped with a
-message.
+``bench/bench_mover.py`` (mover evict/prefetch end to end), ``bench/bench_in_place.py``
+(``KVMover`` on a host-memory cache against the store reading and writing the KV rows in
+place), ``bench/bench_calls.py`` (the fixed cost of one call, back to back),
+``bench/bench_gpu.py`` (the GPU path's goals: vs bulk and per-page copies, beside a matmul,
+copy engine vs kernel; skipped without a GPU), ``bench/bench_vllm.py`` (vLLM connector
+save/load against vLLM's own Mooncake connector, in ``.venv-vllm``) and
+``bench/bench_direct.py`` (prefill -> decode host pool: PageSender against evict + get
+through the store). A suite whose module is missing is skipped with a message.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SUITES = {
               ["--keys", "1024", "--repeat", "5", "--store-keys", "32", "--store-repeat", "3"],
               []),
     "mover": ("bench.bench_mover", ["--quick"], []),
+    "in_place": ("bench.bench_in_place", ["--quick"], []),
     "calls": ("bench.bench_calls", ["--quick"], []),
     "gpu": ("bench.bench_gpu", ["--quick"], []),  # records "skipped" without a GPU
     "vllm": ("bench.bench_vllm", ["--quick"], []),

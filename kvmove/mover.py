@@ -6,8 +6,10 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -15,6 +17,7 @@ import torch
 from kvmove.checks import (
     as_index_tensor,
     check_keys,
+    check_layout,
     check_positive_int,
     check_range,
     check_unique,
@@ -23,16 +26,26 @@ from kvmove.checks import (
 )
 from kvmove.checksum import TRAILER_BYTES, PageChecksum
 from kvmove.descriptors import Descriptors, describe_trusted
-from kvmove.errors import KVMoveError, StagingFull
+from kvmove.errors import KVMoveError, StagingFull, StoreError
+from kvmove.in_place import InPlaceRows
 from kvmove.keys import KeySpace, RawKeys
 from kvmove.memory.cache import KVCache
-from kvmove.memory.staging import StagingBuffer
+from kvmove.memory.staging import LAYOUTS, StagingBuffer
+from kvmove.path_choice import PathChoice, check_path, log_choice, probe, resolve
 from kvmove.rows.device_ring import prepare_rings
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
 from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
-from kvmove.transfer import LayerProgress, StageTimes, Transfer, TransferResult, join_results
+from kvmove.transfer import (
+    FutureEvent,
+    LayerProgress,
+    StageTimes,
+    StealableJob,
+    Transfer,
+    TransferResult,
+    join_results,
+)
 from kvmove.tuning.autotune import tune_for_copies
 
 log = logging.getLogger(__name__)
@@ -96,6 +109,21 @@ class KVMover:
     from the staging after the gather and verified after the get: a page whose bytes do not
     match is reported ``FAILED`` (raw code -801) and never scattered. Off by default (it
     costs a host pass over the staged bytes; ``bench`` reports the overhead).
+
+    ``path`` says how pages move (:mod:`kvmove.path_choice`): ``"staged"`` as above;
+    ``"in_place"``: the store reads and writes the KV rows where they are
+    (:class:`kvmove.in_place.InPlaceRows`, the KV memory registered with the store while the
+    mover lives), with no staging (a one-slot staging stands in); ``"auto"`` (default): the
+    faster of the two for this cache, page shape and transport, for evictions and for
+    prefetches each: measured when the mover is built for one-token pages (or recorded by
+    an earlier mover of the same kind); staged for pages of several tokens. ``mover.path``
+    says which (``"mixed"`` where the directions differ: ``mover.path_choice.evict`` /
+    ``.prefetch``, and why in ``.reason``). Objects, keys and statuses are the same on both
+    paths. In place, ``evict`` returns once the put has read the rows (CPU; on CUDA
+    ``gathered`` completes then), a prefetch lands every layer at once, and a ``FAILED``
+    key whose transfer broke mid-way may leave part of its object in its own rows (MISS and
+    SIZE_MISMATCH never write). ``checksum=True`` and a device cache over a transport that
+    does not read device memory refuse ``"in_place"`` (``auto`` stays staged).
     """
 
     def __init__(
@@ -113,13 +141,24 @@ class KVMover:
         checksum: bool = False,
         raw_keys: bool = False,
         layout: str = "layer_first",
+        path: str = "auto",
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
         check_positive_int(workers, "workers")
         self.kv = kv
         self.store = store
-        self.staging = StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens,
+        self.path_choice = self._choose_path(check_path(path), page_tokens, staging_slots,
+                                             backend, layout, checksum)
+        wanted = "in_place" in (self.path_choice.evict, self.path_choice.prefetch)
+        self._rows = self._register_rows(page_tokens, layout, asked=path) if wanted else None
+        choice = self.path_choice  # staged after all where the store refused the KV memory
+        self.path = choice.path
+        self._evict_rows = self._rows if choice.evict == "in_place" else None
+        self._prefetch_rows = self._rows if choice.prefetch == "in_place" else None
+        in_place = self.path == "in_place"
+        self.staging = StagingBuffer(kv, num_slots=1 if in_place else staging_slots,
+                                     page_tokens=page_tokens,
                                      trailer_bytes=TRAILER_BYTES if checksum else 0,
                                      layout=layout)
         self._checksum = PageChecksum(self.staging) if checksum else None
@@ -153,10 +192,47 @@ class KVMover:
             self._warm_up()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
         self._lock = threading.Lock()
+        self._inline = 0  # in-place puts running on callers' threads (CPU evict)
+        self._inline_done = threading.Condition(self._lock)
         self._stats = MoverStats(statuses={s: 0 for s in Status})
         self._closed = False
         self._late_slots = 0  # staging slots held for store calls given up (see _free_after)
         store.register(self.staging)
+        log_choice(self.path_choice)
+
+    def _choose_path(self, path, page_tokens, staging_slots, backend, layout, checksum):
+        """The :class:`~kvmove.path_choice.PathChoice` for ``path`` (arguments the probe
+        uses are checked first: a bad one raises here, not inside the probe)."""
+        check_positive_int(page_tokens, "page_tokens")
+        check_positive_int(staging_slots, "staging_slots")
+        check_layout(layout, LAYOUTS)
+        resolve_backend(backend, self.kv.row_pool.device)
+
+        def scratch_mover(cache, path, slots):
+            return KVMover(cache, self.store, page_tokens=page_tokens, staging_slots=slots,
+                           backend=backend, layout=layout, workers=1, path=path)
+
+        return resolve(path, self.kv, self.store, page_tokens=page_tokens, layout=layout,
+                       checksum=checksum,
+                       probe=lambda: probe(self.kv, self.store, page_tokens=page_tokens,
+                                           layout=layout, make_mover=scratch_mover,
+                                           pages=staging_slots))
+
+    def _register_rows(self, page_tokens: int, layout: str, asked: str) -> InPlaceRows | None:
+        """The KV rows described in place, their memory registered with the store. Where
+        the store refuses the memory, ``auto`` falls back to staging (``path_choice`` says
+        why); ``path="in_place"`` raises the store's error."""
+        rows = InPlaceRows(self.kv, page_tokens, layout)
+        try:
+            self.store.register(rows)
+        except StoreError as e:
+            rows.close()
+            if asked != "auto":
+                raise
+            self.path_choice = PathChoice.both("staged", f"auto: in place, but the store "
+                                                         f"refused the KV memory ({e})")
+            return None
+        return rows
 
     def _warm_up(self) -> None:
         """Compile (or load) every kernel the mover launches, and allocate the two-hop rings,
@@ -177,6 +253,8 @@ class KVMover:
         call = self._take_call(keys, token_pages, valid_tokens, gathering=True)
         transfer = Transfer(call.keys, kind="evict", num_layers=self.kv.max_layers,
                             device=self.device)
+        if self._evict_rows is not None:
+            return self._evict_in_place(call, transfer)
         size = self.staging.num_slots
         for first in range(0, len(call.keys), size):
             piece = call.piece(first, min(len(call.keys), first + size))
@@ -214,7 +292,16 @@ class KVMover:
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
-        transfer.add_piece(0, self._submit(self._get_job, call, layerwise, transfer.progress))
+        if self._prefetch_rows is None:
+            transfer.add_piece(0, self._submit(self._get_job, call, layerwise,
+                                               transfer.progress))
+            return transfer
+        # In place, every layer lands with the one get: a caller that waits before a worker
+        # has picked the job up runs it itself (no thread hand-off on its way).
+        job = StealableJob(partial(self._get_in_place, call, layerwise, transfer.progress),
+                           self._inline_run)
+        self._submit(job.run)
+        transfer.add_piece(0, job)
         return transfer
 
     # -- the call -------------------------------------------------------------------------
@@ -281,6 +368,8 @@ class KVMover:
         with self._lock:
             first, self._closed = not self._closed, True
         self._executor.shutdown(wait=True)
+        with self._inline_done:  # in-place puts on callers' threads
+            self._inline_done.wait_for(lambda: self._inline == 0)
         if not first:
             return
         with self._lock:
@@ -298,6 +387,13 @@ class KVMover:
                 unregister(self.staging)
             except Exception as e:  # the store may already be closed or its master gone
                 log.warning("unregistering the staging failed: %s", e)
+        if self._rows is not None and unregister is not None:
+            try:
+                unregister(self._rows)
+            except Exception as e:
+                log.warning("unregistering the KV rows failed: %s", e)
+        if self._rows is not None:
+            self._rows.close()
         # Every transfer has ended (the executor is shut down), so every slot is free: a
         # slot still allocated here is the caller's own (staging.alloc), in use or not.
         self.staging.close(timeout=5.0)
@@ -378,8 +474,8 @@ class KVMover:
                 s.bytes_got += result.nbytes
                 s.get_s += result.times.get
                 s.scatter_s += result.times.scatter
-            for st in result.statuses:
-                s.statuses[st] += 1
+            for st, k in Counter(result.statuses).items():
+                s.statuses[st] += k
 
     # -- background jobs ------------------------------------------------------------------
     def _put_job(self, piece: Call, slots: torch.Tensor, gathered, gather_s: float
@@ -527,6 +623,103 @@ class KVMover:
         return list(statuses), codes, getattr(statuses, "late", None)
 
 
+    # -- the in-place path ----------------------------------------------------------------
+    def _evict_in_place(self, call: Call, transfer: Transfer) -> Transfer:
+        """Put the pages straight from the KV rows. On the CPU the put runs here: ``evict``
+        returns once the store has read the rows (so, as on the staged path, the engine may
+        overwrite them then). On CUDA it runs in the background after the caller's work,
+        and ``transfer.gathered`` completes when it ends."""
+        if self.device.type != "cuda":
+            with self._lock:
+                if self._closed:
+                    raise KVMoveError("the KVMover is closed")
+            with self._inline_run():
+                transfer.add_piece(0, self._put_in_place(call))
+            return transfer
+        future = self._submit(self._put_in_place, call)
+        transfer.add_piece(0, future)
+        transfer.gathered = FutureEvent(future)
+        return transfer
+
+    @contextlib.contextmanager
+    def _inline_run(self):
+        """Count a transfer that runs on a caller's thread (``close()`` waits for them)."""
+        with self._lock:
+            self._inline += 1
+        try:
+            yield
+        finally:
+            with self._inline_done:
+                self._inline -= 1
+                self._inline_done.notify_all()
+
+    def _put_in_place(self, call: Call) -> TransferResult:
+        n = len(call.keys)
+        statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
+        pages, bad = self._host_pages(call, self._evict_stream)
+        good = np.arange(n) if bad is None else np.flatnonzero(~bad)
+        if bad is not None:
+            log.warning("evict: %d of %d keys have out-of-range rows; not stored",
+                        n - good.size, n)
+        if bad is not None:
+            pages = pages[good]
+        desc = self._evict_rows.describe_trusted(
+            pages, self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
+            call.valid[good], get=False)
+        t0 = time.perf_counter()
+        got, got_codes = self._store_call(self.store.put, desc)
+        times = StageTimes(put=time.perf_counter() - t0)
+        for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
+            statuses[i], codes[i] = st, code
+        result = TransferResult(statuses, codes, _ok_bytes(desc, got), times)
+        self._count(result, put=True)
+        return result
+
+    def _get_in_place(self, call: Call, layerwise: bool, progress: LayerProgress
+                      ) -> TransferResult:
+        """Get the objects straight into the KV rows: every layer lands with the get (a
+        layer-wise prefetch reports them all at once). Keys with out-of-range rows read
+        into the discard row, so that their status is the store's, as when staged, then
+        end FAILED (``BAD_ROWS``) if they were OK."""
+        try:
+            pages, bad = self._host_pages(call, self._prefetch_stream)
+            desc = self._prefetch_rows.describe_trusted(pages,
+                                                        self.keyspace.store_keys(call.keys),
+                                               call.valid, get=True, bad=bad)
+            t0 = time.perf_counter()
+            statuses, codes = self._store_call(self.store.get, desc)
+            times = StageTimes(get=time.perf_counter() - t0)
+            if bad is not None:
+                ok = np.fromiter((s is Status.OK for s in statuses), dtype=bool,
+                                 count=len(statuses))
+                _fail_bad(bad & ok, statuses, codes)
+            result = TransferResult(statuses, codes, _ok_bytes(desc, statuses), times)
+            self._count(result, put=False)
+            progress.all_done(None)
+            return result
+        finally:
+            progress.finish()
+
+    def _host_pages(self, call: Call, stream) -> tuple[np.ndarray, np.ndarray | None]:
+        """The call's pages on the host and its keys with an out-of-range row (or None). On
+        CUDA this first waits, on ``stream``, for the caller's work at call time (which
+        wrote the rows and the indices), then reads the indices: in the background, never
+        on the caller's thread."""
+        pages = call.pages
+        if pages.is_cuda:
+            with torch.cuda.stream(stream):
+                stream.wait_event(call.ordered)
+                pages = pages.to("cpu")
+            stream.synchronize()
+        elif call.ordered is not None:  # host indices, device rows: the rows were written
+            call.ordered.synchronize()
+        host = pages.numpy()
+        if isinstance(call.bad, np.ndarray) or call.bad is None:
+            return host, call.bad
+        out = ((host < -1) | (host >= self.kv.num_slots)).any(axis=1)
+        return host, out if out.any() else None
+
+
 @dataclass
 class Call:
     """A call's arguments, validated and taken at call time (or a piece of them)."""
@@ -563,4 +756,6 @@ def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None
 
 
 def _ok_bytes(desc: Descriptors, statuses: list[Status]) -> int:
+    if all(s is Status.OK for s in statuses):  # the common case, without a pass per key
+        return desc.total_bytes
     return sum(desc.nbytes(i) for i, s in enumerate(statuses) if s is Status.OK)

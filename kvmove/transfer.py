@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as concurrent_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,66 @@ class CompletedEvent:
 
     def wait(self, stream=None) -> None:
         return None
+
+
+class FutureEvent:
+    """Stands in for a CUDA event where the work it marks is a background job on the host
+    (an in-place put reading device rows): ``query()`` says whether it ended;
+    ``synchronize()`` and ``wait(stream)`` block the host until it has (no stream can wait
+    for host work, so ``wait`` waits here, whatever the stream)."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        concurrent_wait([self._future])
+
+    def wait(self, stream=None) -> None:
+        self.synchronize()
+
+
+class StealableJob(Future):
+    """A job queued for a worker thread that the first thread to wait for it runs itself,
+    when no worker has started it yet (that waiter would only block meanwhile; on a busy
+    machine a worker can take milliseconds to be scheduled). Runs exactly once, either way;
+    a waiter's run is inside ``guard()`` (the mover counts such runs, so that ``close()``
+    waits for them too). A :class:`~concurrent.futures.Future` for everything else."""
+
+    def __init__(self, fn, guard):
+        super().__init__()
+        self._fn, self._guard = fn, guard
+        self._claim_lock = threading.Lock()
+        self._claimed = False
+
+    def _claim(self) -> bool:
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
+
+    def _execute(self) -> None:
+        self.set_running_or_notify_cancel()
+        try:
+            self.set_result(self._fn())
+        except BaseException as e:  # surfaced by result(), as a worker's would be
+            self.set_exception(e)
+
+    def run(self) -> None:
+        """The worker's entry: run the job unless a waiter has."""
+        if self._claim():
+            self._execute()
+
+    def steal(self) -> None:
+        """Run the job here unless a worker (or another waiter) has started it."""
+        if self._claim():
+            with self._guard():
+                self._execute()
+
+    def result(self, timeout=None):
+        self.steal()
+        return super().result(timeout)
 
 
 @dataclass
@@ -209,6 +270,9 @@ class Transfer:
         n = self.progress.num_layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise IndexError(f"layer must be in 0..{n - 1}, got {layer!r}")
+        for _, piece in self._pieces:  # a job no worker has started yet: run it here
+            if isinstance(piece, StealableJob):
+                piece.steal()
         reached, event = self.progress.wait(layer, timeout)
         if not reached:
             raise TimeoutError(f"layer {layer} of the {self.kind} is not in the KV cache yet")

@@ -167,6 +167,21 @@ def test_direct_benchmark_runs_end_to_end(tmp_path):
     assert all(v > 0 for v in result["ratios"].values())
     md = "\n".join(report.suite_section("direct", result))
     assert "| two-hop, 2 pages |" in md and "direct vs two-hop, 2 pages (goal >= 2x)" in md
+def test_in_place_benchmark_runs_end_to_end_and_reports(tmp_path):
+    from bench import bench_in_place
+
+    out = tmp_path / "in_place.json"
+    assert bench_in_place.main(["--pages", "2", "--layers", "2", "--repeat", "1",
+                                "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [w["workload"] for w in result["in_place"]] == ["block rows", "token rows"]
+    for w in result["in_place"]:
+        for who in ("floor", "KVMover auto", "KVMover staged", "KVMover in_place"):
+            assert w["median_ms"][f"{who} put"] > 0 and w["median_ms"][f"{who} get"] > 0
+        assert w["auto_path"] in ("staged", "in_place", "mixed")
+        assert set(w["met"]) == {"put", "get"}
+    md = "\n".join(report.suite_section("in_place", result))
+    assert "in-place floor" in md and "| floor get |" in md and "`auto` picked" in md
 
 
 def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):

@@ -22,15 +22,15 @@ LEVELS = {
     "kvmove.errors": 0, "kvmove.status": 0, "kvmove.checks": 0, "kvmove.kernels": 0,
     "kvmove.memory": 1,
     "kvmove.rows": 2,
-    "kvmove.descriptors": 3, "kvmove.keys": 3, "kvmove.checksum": 3,
+    "kvmove.descriptors": 3, "kvmove.keys": 3, "kvmove.checksum": 3, "kvmove.in_place": 3,
     "kvmove.tuning": 4,
     "kvmove.store": 5,
-    "kvmove.transfer": 6, "kvmove.mover": 6, "kvmove.direct": 6,
+    "kvmove.transfer": 6, "kvmove.mover": 6, "kvmove.path_choice": 6, "kvmove.direct": 6,
     "kvmove.cli": 7, "kvmove.integrations": 7,
     "kvmove": 7,  # the package root re-exports the public API: only tools import it
 }
 ROOT_MODULES = {"__init__", "errors", "status", "checks", "descriptors", "keys", "checksum",
-                "transfer", "mover"}
+                "in_place", "transfer", "mover", "path_choice"}
 ROOT_PACKAGES = {"kernels", "memory", "rows", "tuning", "store", "direct", "cli",
                  "integrations"}
 
@@ -194,7 +194,7 @@ def test_autotune_runs_when_a_mover_is_built_never_in_a_copy_call(monkeypatch, s
                         lambda *a, **k: (calls.append(a), real(*a, **k))[1])
     monkeypatch.setattr(autotune, "tune_key", lambda *a, **k: calls.append("tuned inside"))
     kv = kvmove.KVCache({"kv": torch.zeros(2, 64, 656, dtype=torch.uint8)})
-    with kvmove.KVMover(kv, store, page_tokens=16, staging_slots=4) as mover:
+    with kvmove.KVMover(kv, store, page_tokens=16, staging_slots=4, path="staged") as mover:
         built = len(calls)
         assert mover.evict(["a"], torch.arange(16).reshape(1, 16)).wait(30) == [
             kvmove.Status.OK]

@@ -47,7 +47,7 @@ class ClusterNode:
     """The in-process side: a cache of ``resident`` pages, a store, a mover."""
 
     def __init__(self, store, *, layers: int, page_tokens: int, resident: int,
-                 key_prefix: str, rows: dict[str, int] | None = None):
+                 key_prefix: str, rows: dict[str, int] | None = None, path: str = "auto"):
         import torch
 
         import kvmove
@@ -61,7 +61,7 @@ class ClusterNode:
                         for name, row in self.rows.items()}
         self.kv = kvmove.KVCache(self.buffers)
         self.mover = kvmove.KVMover(self.kv, store, page_tokens=page_tokens,
-                                    staging_slots=resident, key_prefix=key_prefix)
+                                    staging_slots=resident, key_prefix=key_prefix, path=path)
 
     def page_bytes(self, page: int, name: str):
         """The bytes of ``page`` in buffer ``name``: ``[layers, page_tokens, row]``."""

@@ -124,11 +124,14 @@ def run(args, console: Console) -> Tally:
     tail, fill = first, 0
     with open_store(args) as store, kvmove.KVMover(
         kv, store, page_tokens=args.page_tokens, staging_slots=staging_slots,
-        backend=args.backend, key_prefix=f"demo{args.seed}-{time.time_ns()}",
+        backend=args.backend, key_prefix=f"demo{args.seed}-{time.time_ns()}", path=args.path,
     ) as mover:
         console.print(f"[bold]cache[/] {kv}")
         console.print(f"[bold]store[/] {store}")
         console.print(f"[bold]staging[/] {mover.staging}")
+        choice = mover.path_choice
+        console.print(f"[bold]path[/] evict {choice.evict}, prefetch {choice.prefetch} "
+                      f"({choice.reason})")
         # Prefill: pages 0..first-1 are written, evicted to the store in batches.
         for start in range(0, first, args.topk):
             pages = list(range(start, min(first, start + args.topk)))

@@ -39,6 +39,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="staging pages, at least --topk (default: enough for one step)")
     p.add_argument("--backend", choices=["auto", "triton", "torch", "two_hop"], default="auto",
                    help="row-copy backend (auto: Triton on CUDA, torch on the CPU)")
+    p.add_argument("--path", choices=["auto", "staged", "in_place"], default="auto",
+                   help="how pages move: through staging, or the store reading and writing "
+                        "the KV rows in place (auto: the faster, measured)")
     p.add_argument("--layerwise", action="store_true",
                    help="prefetch layer by layer (wait_layer) instead of all layers at once")
     p.add_argument("--master", default=None,

@@ -3,7 +3,8 @@
 It reports the GPU and driver, torch, Triton, the CUDA binding of the copy engine
 (cuda-bindings, of torch's CUDA major), Mooncake (versions and flavours),
 ``libibverbs``, the memlock limit for pinned memory, whether a tuned kernel table exists for
-this GPU, and whether the master named by ``MOONCAKE_*`` (or ``--master``) answers. It
+this GPU, whether the master named by ``MOONCAKE_*`` (or ``--master``) answers, and which KV
+caches its transport can move in place (``KVMover(path=...)``). It
 exits 1 when something blocks use, naming the fix; 0 otherwise (notes are not problems).
 """
 
@@ -255,6 +256,35 @@ def check_master(address: str | None, timeout: float) -> list[Finding]:
                     "start it (kvmove master --host ...) or fix MOONCAKE_MASTER")]
 
 
+def check_in_place(address: str | None, gpu_name: str | None) -> list[Finding]:
+    """Which KV caches the transport lets a mover move in place (the store reading and
+    writing the KV rows, no staging copy): host memory always, device memory only over a
+    transport that reads it. What ``path="auto"`` picks for a cache is measured when the
+    mover is built and logged (``kvmove.path_choice``: "KVMover path: ...")."""
+    import torch
+
+    from kvmove.in_place import rows_reachable
+    from kvmove.store.config import StoreConfig
+
+    try:
+        config = (StoreConfig(master_address=address) if address is not None
+                  else StoreConfig.from_env() if os.environ.get("MOONCAKE_MASTER") else None)
+    except ValueError:
+        config = None  # the master finding says what is wrong
+    protocol = config.protocol if config is not None else os.environ.get(
+        "MOONCAKE_PROTOCOL", "tcp")
+    gpu = rows_reachable(torch.device("cuda", 0), protocol)
+    text = (f"over {protocol}: KV caches in host memory can move in place; "
+            + ("GPU caches too (GPUDirect RDMA; not verified by kvmove's tests)" if gpu is None
+               else "GPU caches move through staging (the transport does not read device "
+                    "memory)"))
+    text += "; path='auto' measures per cache and logs 'KVMover path: ...'"
+    level = "note" if gpu_name and gpu is not None else "ok"
+    fix = "a transport that reads device memory: MOONCAKE_PROTOCOL=rdma" if level == "note" \
+        else ""
+    return [Finding("in place", text, level, fix)]
+
+
 def collect(args) -> list[Finding]:
     gpu, gpu_name = check_gpu()
     found = gpu + check_torch(gpu_name) + check_triton(gpu_name)
@@ -264,6 +294,7 @@ def collect(args) -> list[Finding]:
     found += check_ibverbs() + check_mooncake() + check_memlock(gpu_name)
     found += check_tuned(gpu_name)
     found += check_master(args.master, args.timeout)
+    found += check_in_place(args.master, gpu_name)
     return found
 
 

@@ -116,8 +116,9 @@ def test_doctor_reports_and_names_the_fix(tmp_path):
     proc = kvmove_cmd("doctor", env={k: v for k, v in ENV.items()
                                      if not k.startswith("MOONCAKE_")})
     for topic in ("GPU", "torch", "Triton", "Mooncake", "libibverbs", "memlock",
-                  "tuned table", "master"):
+                  "tuned table", "master", "in place"):
         assert topic in proc.stdout
+    assert "over tcp: KV caches in host memory can move in place" in proc.stdout
     assert proc.returncode == 0, proc.stdout
     proc = kvmove_cmd("doctor", "--timeout", "0.5", env={**ENV, "MOONCAKE_MASTER": "127.0.0.1:1"})
     assert proc.returncode == 1

@@ -28,7 +28,7 @@ def test_demo_fails_when_prefetched_bytes_are_wrong(monkeypatch, capsys):
     real_copy = mover_module.run_pages
     monkeypatch.setattr(mover_module, "run_pages", lambda prepared, *a: None
                         if prepared.direction == "scatter" else real_copy(prepared, *a))
-    assert demo.main(SMALL) == 1
+    assert demo.main([*SMALL, "--path", "staged"]) == 1
     out = capsys.readouterr().out
     assert "verification FAILED" in out
     assert "differs" in out

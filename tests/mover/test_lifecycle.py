@@ -189,7 +189,7 @@ def test_threads_evicting_and_prefetching_overlapping_keys(store, keyspace):
             assert page_bytes(kv, p) in stored_by[key]
             if read.get(key):
                 assert page_bytes(kv, p) == read[key][0]
-        assert mover.staging.num_free == 16
+        assert mover.staging.num_free == mover.staging.num_slots
     finally:
         Gate.open_all()
         mover.close()
@@ -230,7 +230,7 @@ def test_evict_of_a_key_while_its_prefetch_is_in_flight(store, keyspace, monkeyp
         # A later prefetch reads whatever is stored: the first evict that was OK.
         assert mover.prefetch(key, pages(40, 1)).wait(30) == [Status.OK]
         assert page_bytes(kv, pages(40, 1)[0]) == (first if stored_first else second)
-        assert mover.staging.num_free == 8
+        assert mover.staging.num_free == mover.staging.num_slots
     finally:
         Gate.open_all()
         mover.close()
@@ -285,7 +285,7 @@ def test_mover_close_while_transfers_run_waits_then_unregisters(store, keyspace,
     assert prefetch.wait(0) == [Status.OK] * 3 and evict.wait(0) == [Status.OK] * 3
     for i, p in enumerate(pages(48, 3)):
         assert page_bytes(kv, p) == want[i]
-    assert mover.staging.num_free == 16
+    assert mover.staging.num_free == mover.staging.num_slots
     assert not regions & set(registered_regions(store))
     assert not [r for r in caplog.records if "unregister" in r.getMessage()], \
         "the mover's close tripped the store's in-use check"
@@ -322,7 +322,7 @@ def test_mover_close_racing_callers_leaks_no_slot(store, keyspace):
         t.join(30)
     assert unexpected == []
     assert outcomes["submitted"] > 0 and outcomes["refused"] > 0
-    assert mover.staging.num_free == 16
+    assert mover.staging.num_free == mover.staging.num_slots
 
 
 def test_store_close_while_transfers_run_waits_then_fails_new_calls(keyspace, monkeypatch):
@@ -349,7 +349,7 @@ def test_store_close_while_transfers_run_waits_then_fails_new_calls(keyspace, mo
             assert mover.evict(keys[2:], pages(8, 2)).wait(30) == [Status.FAILED] * 2
             assert mover.prefetch(keys[:1], pages(40, 1)).wait(30) == [Status.FAILED]
             assert page_bytes(kv, pages(40, 1)[0]) == before
-            assert mover.staging.num_free == 8
+            assert mover.staging.num_free == mover.staging.num_slots
         finally:
             Gate.open_all()
             mover.close()  # logs that the closed store cannot unregister; does not raise
@@ -381,7 +381,8 @@ def test_registering_the_same_staging_twice_is_harmless(store, keyspace):
 
 def test_unregistering_a_region_in_use_is_refused(store, keyspace, monkeypatch):
     kv = hybrid(32)
-    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, key_prefix="busy")
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, key_prefix="busy",
+                           path="staged")  # the staging's regions in use
     regions = mover.staging.regions()
     keys = keyspace(2)
     try:

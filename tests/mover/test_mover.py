@@ -33,6 +33,7 @@ def make_mover(store):
     def make(kv, **kwargs):
         kwargs.setdefault("page_tokens", 4)
         kwargs.setdefault("staging_slots", 16)
+        kwargs.setdefault("path", "staged")  # these tests are about the staged path
         m = kvmove.KVMover(kv, store, key_prefix=kwargs.pop("key_prefix", "t"), **kwargs)
         movers.append(m)
         return m
@@ -215,7 +216,7 @@ def test_close_with_transfers_in_flight_finishes_them(store, keyspace):
     assert all(t.done() for t in transfers)
     assert [s for t in transfers for s in t.wait(0)] == [kvmove.Status.OK] * 16
     assert store.exists(mover.keyspace.store_keys(keys)) == [True] * 16
-    assert mover.staging.num_free == 16
+    assert mover.staging.num_free == mover.staging.num_slots
     with pytest.raises(kvmove.KVMoveError, match="closed"):
         mover.evict(keyspace(1), torch.tensor([[0, 1, 2, 3]]))
 

@@ -166,9 +166,12 @@ class KVMoveStorage(HiCacheStorage):
         return found.index(False) if False in found else len(found)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
-        """Read pages ``keys`` into the host pool at ``host_indices``. ``True`` only for a
-        page whose objects were all read and had exactly the page's size; the rows of a
-        missing page are untouched."""
+        """Read pages ``keys`` into the host pool at ``host_indices``, in place (the store
+        writes the pool's rows; no copy). ``True`` only for a page whose objects were all
+        read and had exactly the page's size. The rows of a page whose object is missing or
+        of another size are untouched (Mooncake checks both before any transfer); a transfer
+        that breaks mid-way (its holder died) may leave part of the object in that page's
+        rows, as with SGLang's own backend."""
         if not keys:
             return []
         desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)

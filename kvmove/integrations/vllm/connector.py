@@ -10,7 +10,10 @@ One vLLM block is one kvmove row (one page of one token): the KV cache is descri
 own (:mod:`.keys`), and a ``kvmove.KVMover`` with raw keys gathers + puts on save and gets
 + scatters on load. ``kv_connector_extra_config`` accepts ``cache_prefix`` (as vLLM's),
 ``layerwise`` (default true: loads land layer by layer inside the forward; false: the whole
-load ends in ``start_load_kv``) and ``staging_bytes`` (default 1 GiB of staging).
+load ends in ``start_load_kv``), ``staging_bytes`` (default 1 GiB of staging) and ``path``
+(``"auto"``, default: saves and loads move the blocks in place, with no staging copy, where
+the store reaches vLLM's KV memory and that measures faster, as vLLM's own connector does;
+``"staged"``; ``"in_place"``). In place, a save returns once the store has read the blocks.
 
 vLLM is imported here only; ``import kvmove`` never imports it.
 """

@@ -35,6 +35,7 @@ class ConnectorPlan:
     save_decode: bool  # also save blocks completed during decode (vLLM's save_decode_cache)
     layerwise: bool
     staging_bytes: int
+    path: str = "auto"  # KVMover's path: "auto" (measured per direction), "staged", "in_place"
 
     def lookup_namespaces(self) -> list[RankNamespace]:
         """Every rank namespace that must hold a block before it is a hit."""
@@ -96,6 +97,10 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
     if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
         raise ValueError(f"kv_connector_extra_config staging_bytes must be a positive int, "
                          f"got {staging!r}")
+    path = str(extra.get("path", "auto"))
+    if path not in ("auto", "staged", "in_place"):
+        raise ValueError(f"kv_connector_extra_config path must be 'auto', 'staged' or "
+                         f"'in_place', got {path!r}")
     return ConnectorPlan(
         block_size=block_size,
         hash_block_size=hash_block_size,
@@ -113,4 +118,5 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         save_decode=save_decode,
         layerwise=str(extra.get("layerwise", "true")).lower() == "true",
         staging_bytes=staging,
+        path=path,
     )

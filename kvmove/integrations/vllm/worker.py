@@ -1,6 +1,7 @@
 """The vLLM connector's worker side: vLLM's KV cache as a :class:`kvmove.KVCache` of block
-regions (:mod:`.layout`), and a :class:`kvmove.KVMover` with raw keys that gathers + puts a
-step's saves and gets + scatters its loads."""
+regions (:mod:`.layout`), and a :class:`kvmove.KVMover` with raw keys that saves a step's
+blocks (gather + put, or a put straight from the blocks) and loads them (get + scatter, or a
+get straight into the blocks), whichever path the mover measured faster."""
 
 from __future__ import annotations
 
@@ -50,10 +51,14 @@ class WorkerSide:
         kv = kvmove.KVCache({"kv": views})
         object_bytes = sum(v.shape[1] for v in views)
         slots = max(1, min(self.num_blocks, self.plan.staging_bytes // object_bytes))
+        # path="auto": where the store reaches vLLM's blocks (host memory; device memory over
+        # RDMA) and moving them in place measures faster, saves and loads skip staging.
         self.mover = kvmove.KVMover(kv, self.store, page_tokens=1, staging_slots=slots,
-                                    raw_keys=True)
-        log.info("kvmove connector: %d regions of %d B per block, %d staging blocks",
-                 len(views), views[0].shape[1], slots)
+                                    raw_keys=True, path=self.plan.path)
+        choice = self.mover.path_choice
+        log.info("kvmove connector: %d regions of %d B per block, %d staging blocks; saves "
+                 "%s, loads %s (%s)", len(views), views[0].shape[1],
+                 self.mover.staging.num_slots, choice.evict, choice.prefetch, choice.reason)
 
     # -- loads -----------------------------------------------------------------------------
     def start_load(self, meta: KVMoveConnectorMetadata) -> None:
@@ -108,7 +113,9 @@ class WorkerSide:
         block_ids = [b for t in meta.saves for b in t.block_ids]
         pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
         transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
-        transfer.gathered.wait()  # CUDA: vLLM reuses the blocks only after the gather
+        # vLLM reuses the blocks only after this: the gather (CUDA, staged) or the put that
+        # reads them in place (on the CPU it has, once evict returned)
+        transfer.gathered.wait()
         self._saves.append(transfer)
 
     def _reap_saves(self, wait: bool = False) -> None:

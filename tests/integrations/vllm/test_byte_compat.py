@@ -115,9 +115,11 @@ def test_block_hashes_take_the_last_hash_of_each_block():
         assert block_hashes(sub, 1, hash_block) == [bytes(h) for h in expected]
 
 
-def test_store_round_trip_both_ways(tmp_path):
+@pytest.mark.parametrize("path", ["staged", "in_place"])
+def test_store_round_trip_both_ways(tmp_path, path):
     """Through a real Mooncake store: objects kvmove puts read back into vLLM's block
-    addresses byte for byte, and objects put from vLLM's addresses load into kvmove's."""
+    addresses byte for byte, and objects put from vLLM's addresses load into kvmove's, on
+    both of the mover's paths (through staging, and straight from / into the blocks)."""
     blocks, block_size = 6, 16
     src = vllm_layer_caches("LBHNC", 3, blocks, 2, block_size, 64, seed=11)
     dst = vllm_layer_caches("LBHNC", 3, blocks, 2, block_size, 64, seed=12)
@@ -132,7 +134,7 @@ def test_store_round_trip_both_ways(tmp_path):
     with kvmove.MooncakeStore.embedded() as store:
         views, _ = block_regions(named, blocks)
         with kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
-                            staging_slots=4, raw_keys=True) as mover:
+                            staging_slots=4, raw_keys=True, path=path) as mover:
             assert mover.evict(keys, torch.tensor(ids).unsqueeze(1)).wait() == \
                 [kvmove.Status.OK] * 4
         # vLLM reads them into its addresses (its descriptors, kvmove's store calls).
@@ -159,7 +161,7 @@ def test_store_round_trip_both_ways(tmp_path):
             c.zero_()
         views, _ = block_regions([(f"l{i}", c) for i, c in enumerate(dst)], blocks)
         with kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
-                            staging_slots=2, raw_keys=True) as mover:
+                            staging_slots=2, raw_keys=True, path=path) as mover:
             assert mover.prefetch(keys2, torch.tensor([[3], [5]])).wait() == \
                 [kvmove.Status.OK] * 2
         assert vllm_object(vdst, 3) == vllm_object(vsrc, 4)

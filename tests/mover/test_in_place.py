@@ -1,0 +1,374 @@
+"""``KVMover(path="in_place")`` against ``path="staged"``, on a real embedded master: the same
+objects byte for byte (both layouts, MLA / MHA / hybrid caches with padded rows, partial
+pages, padding), each path reading the other's; the same statuses (OK, MISS, EXISTS, size
+mismatches both ways, bad rows, a holder that died); failed gets leave the rows untouched;
+layer-wise prefetch, calls larger than the staging, raw keys, close; the KV memory is
+registered while the mover lives. ``path="auto"``: deterministic once chosen, staged where
+in place cannot hold."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+import kvmove
+from kvmove import Status, path_choice
+from kvmove import mover as mover_module
+from kvmove.cli.cluster_node import ClusterNode, NodeProcess
+from kvmove.memory.host_memory import HostMemory
+from kvmove.status import BAD_ROWS
+from tests.support.caches import make_layers, snapshot
+from tests.support.store_state import registered_regions
+
+PATHS = ("staged", "in_place")
+GEOMETRIES = {
+    "mla": lambda slots: {"kv": make_layers(4, slots, 656, torch.uint8, stacked=True, seed=1)},
+    "mha": lambda slots: {"k": make_layers(3, slots, 576, torch.bfloat16, seed=2),
+                          "v": make_layers(3, slots, 576, torch.bfloat16, seed=3)},
+    "hybrid": lambda slots: {"kv": make_layers(5, slots, 1152, torch.bfloat16, seed=4),
+                             "indexer": make_layers(2, slots, 132, torch.uint8, pitch_pad=4,
+                                                    seed=5)},
+}
+
+
+@pytest.fixture
+def movers(store):
+    """``movers(kv, **kwargs)``: a staged and an in-place mover on ``kv``, closed after the
+    test (their staging back to full)."""
+    made = []
+
+    def make(kv, **kwargs):
+        kwargs.setdefault("page_tokens", 4)
+        kwargs.setdefault("staging_slots", 8)
+        pair = {p: kvmove.KVMover(kv, store, path=p, **kwargs) for p in PATHS}
+        made.extend(pair.values())
+        return pair
+
+    yield make
+    for m in made:
+        m.close()
+        assert m.staging.num_free == m.staging.num_slots
+
+
+def read_objects(store, store_keys: list[str], sizes: list[int]) -> list[bytes]:
+    """The stored objects, read raw into host memory (one span each)."""
+    memory = HostMemory(sum(sizes), pin=None)
+    try:
+        at, ptrs = memory.address, []
+        for n in sizes:
+            ptrs.append([at])
+            at += n
+        desc = kvmove.Descriptors(store_keys, ptrs, [[n] for n in sizes],
+                                  regions=[(memory.address, memory.nbytes)])
+        assert store.get(desc) == [Status.OK] * len(store_keys)
+        raw = memory.tensor.numpy().tobytes()
+        out, at = [], 0
+        for n in sizes:
+            out.append(raw[at:at + n])
+            at += n
+        return out
+    finally:
+        store.unregister([(memory.address, memory.nbytes)])
+        memory.close()
+
+
+def rows_bytes(kv, rows: torch.Tensor) -> bytes:
+    rows = rows[rows >= 0]
+    return b"".join(kv.layer(n, layer)[rows].contiguous().view(torch.uint8).numpy().tobytes()
+                    for n in kv.buffer_names for layer in range(kv.num_layers(n)))
+
+
+def scribble(kv, rows: torch.Tensor) -> None:
+    rows = rows[rows >= 0]
+    for n in kv.buffer_names:
+        for layer in range(kv.num_layers(n)):
+            kv.layer(n, layer).view(torch.uint8)[rows] = 0x5A
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_both_paths_store_the_same_objects_and_read_each_others(movers, store, keyspace,
+                                                                 geometry, layout):
+    kv = kvmove.KVCache(GEOMETRIES[geometry](96))
+    pair = movers(kv, layout=layout)
+    src = torch.tensor([[0, 1, 2, 3], [9, 5, 30, 7], [10, 11, -1, 13], [40, 41, 42, -1]])
+    valid = [4, 4, 4, 3]  # a hole inside the valid rows, and a partial page
+    keys = {p: keyspace(4, tag=p) for p in PATHS}
+    for p, m in pair.items():
+        assert m.evict(keys[p], src, valid_tokens=valid).wait(30) == [Status.OK] * 4
+    sizes = [kvmove.StagingBuffer(kv, num_slots=1, page_tokens=4).object_bytes] * 3
+    sizes.append(sizes[0] // 4 * 3)
+    objects = {p: read_objects(store, pair[p].keyspace.store_keys(keys[p]), sizes)
+               for p in PATHS}
+    assert objects["staged"] == objects["in_place"]
+    # Each path reads the other's objects into other rows: the same rows land.
+    want = [rows_bytes(kv, page[: v]) for page, v in zip(src, valid, strict=True)]
+    dst = {"staged": torch.arange(48, 64).reshape(4, 4),
+           "in_place": torch.arange(64, 80).reshape(4, 4)}
+    for reader, writer in (("staged", "in_place"), ("in_place", "staged")):
+        d = dst[reader].clone()
+        d[2, 2] = -1  # a row the prefetch leaves alone
+        untouched = rows_bytes(kv, dst[reader][2, 2:3])
+        got = pair[reader].prefetch(keys[writer], d, valid_tokens=valid).wait(30)
+        assert got == [Status.OK] * 4
+        for i, v in enumerate(valid):
+            page = d[i, :v]
+            if i == 2:  # without the hole
+                assert rows_bytes(kv, page) == rows_bytes(kv, src[i, :v][src[i, :v] >= 0])
+                assert rows_bytes(kv, dst[reader][2, 2:3]) == untouched
+            else:
+                assert rows_bytes(kv, page) == want[i]
+
+
+def test_both_paths_give_the_same_statuses_and_leave_failed_rows_untouched(movers, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](128))
+    pair = movers(kv, check=False)
+    pages = torch.arange(16).reshape(4, 4)
+    results = {}
+    for p, m in pair.items():
+        k = keyspace(6, tag=p)
+        first = m.evict([k[0], k[1], k[5]], pages[:3]).result(30)
+        # EXISTS, an out-of-range row (not stored), a short page
+        second = m.evict([k[1], k[2], k[3]], torch.tensor([[4, 5, 6, 7], [8, 9, 999, 11],
+                                                           [12, 13, 14, 15]]),
+                         valid_tokens=[4, 4, 2]).result(30)
+        dest = torch.arange(64 + 32 * PATHS.index(p), 64 + 32 * PATHS.index(p) + 28)
+        dest = dest.reshape(7, 4)
+        asked = [k[0], k[4], k[3], k[0] + "x", k[1], k[1] + "y", k[5]]
+        dest[5, 3] = 1000  # out of range, for a key that does not exist: MISS on both
+        dest[6, 0] = 1001  # out of range, for a stored key: FAILED (BAD_ROWS) on both
+        scribble(kv, dest.reshape(-1)[dest.reshape(-1) < 128])
+        before = snapshot(kv)
+        got = m.prefetch(asked, dest, valid_tokens=[4, 4, 4, 4, 2, 4, 4]).result(30)
+        results[p] = (first.statuses, second.statuses, second.codes[1], got.statuses,
+                      got.codes[-1])
+        after = snapshot(kv)
+        for i, st in enumerate(got.statuses):
+            rows = dest[i][(dest[i] >= 0) & (dest[i] < 128)]
+            for n in kv.buffer_names:
+                for layer in range(kv.num_layers(n)):
+                    if st is not Status.OK:  # untouched
+                        assert torch.equal(after[n][layer][rows], before[n][layer][rows]), \
+                            (p, i, st)
+    assert results["staged"] == results["in_place"]
+    first, second, bad_code, got, got_bad = results["in_place"]
+    assert first == [Status.OK] * 3
+    assert second == [Status.EXISTS, Status.FAILED, Status.OK] and bad_code == BAD_ROWS
+    assert got == [Status.OK, Status.MISS, Status.SIZE_MISMATCH, Status.MISS,
+                   Status.SIZE_MISMATCH, Status.MISS, Status.FAILED]
+    assert got_bad == BAD_ROWS
+
+
+def test_failed_gets_in_place_leave_the_rows_untouched(store, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place") as m:
+        keys = keyspace(3)
+        assert m.evict(keys[:2], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]),
+                       valid_tokens=[4, 2]).wait(30) == [Status.OK] * 2
+        dest = torch.tensor([[16, 17, 18, 19], [20, 21, 22, 23], [24, 25, 26, 27]])
+        scribble(kv, dest.reshape(-1))
+        before = rows_bytes(kv, dest.reshape(-1))
+        # a whole page read as a short one (object larger than the rows), a short page read
+        # as a whole one (smaller), a key never stored
+        got = m.prefetch(keys, dest, valid_tokens=[2, 4, 4]).result(30)
+        assert got.statuses == [Status.SIZE_MISMATCH, Status.SIZE_MISMATCH, Status.MISS]
+        assert got.codes == [-600, -800, -704]
+        assert rows_bytes(kv, dest.reshape(-1)) == before
+        assert path_choice.failed_gets_write(m, store, kv, dest[0]) is None
+
+
+def test_a_holder_gone_before_the_get_fails_both_paths_and_writes_nothing(tmp_path):
+    # Every object lives in another process's segment; that process is SIGKILLed; readers
+    # of both paths (this process, no segment of their own) get FAILED or MISS, rows intact.
+    with kvmove.EmbeddedMaster() as master:
+        holder = NodeProcess(master.address, log_path=tmp_path / "holder.log", layers=2,
+                             page_tokens=4, resident=16, key_prefix="gone")
+        config = kvmove.StoreConfig(master_address=master.address, local_hostname="127.0.0.1",
+                                    global_segment_size=0)
+        store = kvmove.MooncakeStore(config)
+        readers = {p: ClusterNode(store, layers=2, page_tokens=4, resident=16,
+                                  key_prefix="gone", path=p) for p in PATHS}
+        try:
+            pages = list(range(12))
+            assert holder.call("evict", pages=pages)["statuses"] == ["ok"] * 12
+            for reader in readers.values():
+                assert reader.prefetch(pages)["statuses"] == ["ok"] * 12
+            holder.kill()
+            for p, reader in readers.items():
+                got = reader.prefetch(pages)
+                assert set(got["statuses"]) <= {"failed", "miss"}, (p, Counter(got["statuses"]))
+                assert got["touched"] == [] and got["wrong"] == [], p
+        finally:
+            for reader in readers.values():
+                reader.mover.close()
+            store.close()
+            holder.close()
+
+
+def test_layerwise_prefetch_in_place_lands_every_layer(store, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](64))
+    want = snapshot(kv)
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place") as m:
+        keys = keyspace(3)
+        assert m.evict(keys, torch.arange(12).reshape(3, 4)).wait(30) == [Status.OK] * 3
+        t = m.prefetch(keys, torch.arange(32, 44).reshape(3, 4), layerwise=True)
+        for layer in range(kv.max_layers):
+            t.wait_layer(layer, timeout=30)
+        t.scattered.synchronize()
+        assert t.scattered.query()
+        assert t.wait(30) == [Status.OK] * 3
+        for n in kv.buffer_names:
+            for layer in range(kv.num_layers(n)):
+                assert torch.equal(kv.layer(n, layer)[32:44], want[n][layer][0:12])
+
+
+def test_in_place_calls_larger_than_the_staging_with_raw_keys(store, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](128))
+    want = snapshot(kv)
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=2, path="in_place",
+                        raw_keys=True) as m:
+        assert m.staging.num_slots == 1  # no staging to speak of
+        keys = keyspace(12)
+        assert m.evict(keys, torch.arange(48).reshape(12, 4)).wait(30) == [Status.OK] * 12
+        assert store.exists(keys) == [True] * 12  # raw: the keys as given
+        assert m.prefetch(keys, torch.arange(64, 112).reshape(12, 4)).wait(30) == [
+            Status.OK] * 12
+        for layer in range(4):
+            assert torch.equal(kv.layer("kv", layer)[64:112], want["kv"][layer][0:48])
+        stats = m.stats()
+        assert stats.pages_put == 12 and stats.pages_got == 12 and stats.gather_s == 0
+
+
+def test_in_place_evict_returns_once_the_rows_are_read(store, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place") as m:
+        keys = keyspace(2)
+        src = torch.arange(8).reshape(2, 4)
+        want = rows_bytes(kv, src.reshape(-1))
+        t = m.evict(keys, src)
+        assert t.done() and t.gathered.query()
+        scribble(kv, src.reshape(-1))  # the engine reuses the rows at once
+        assert t.wait(0) == [Status.OK] * 2
+        assert m.prefetch(keys, torch.arange(16, 24).reshape(2, 4)).wait(30) == [Status.OK] * 2
+        assert rows_bytes(kv, torch.arange(16, 24)) == want
+
+
+def test_the_kv_memory_is_registered_while_the_mover_lives(store, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["mha"](32))
+    m = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place")
+    regions = m._rows.regions()
+    assert len(m._rows.kv_regions) == 6  # six per-layer tensors
+    assert set(regions) <= set(registered_regions(store))
+    m.close()
+    assert not set(regions) & set(registered_regions(store))
+
+
+def test_close_waits_for_in_place_evicts_running_on_callers_threads(store, keyspace,
+                                                                     caplog):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](256))
+    m = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place")
+    regions = m._rows.regions()
+    outcomes: Counter = Counter()
+    unexpected: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                statuses = m.evict(keyspace(1, tag=f"{w}-{i}"), torch.arange(
+                    w * 16, w * 16 + 4).reshape(1, 4)).wait(30)
+                outcomes[statuses[0].value] += 1
+            except kvmove.KVMoveError:
+                outcomes["refused"] += 1
+                return
+            except BaseException as e:  # anything else is a bug
+                unexpected.append(e)
+                return
+            i += 1
+
+    callers = [threading.Thread(target=caller, args=(w,)) for w in range(4)]
+    for t in callers:
+        t.start()
+    stop.wait(0.3)
+    with caplog.at_level("WARNING", logger="kvmove"):
+        m.close()
+    stop.set()
+    for t in callers:
+        t.join(30)
+    assert unexpected == [] and outcomes["refused"] > 0 and outcomes["ok"] > 0, outcomes
+    assert not [r for r in caplog.records if "unregister" in r.getMessage()]
+    assert not set(regions) & set(registered_regions(store))
+
+
+def test_in_place_refuses_what_it_cannot_hold(store):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](16))
+    with pytest.raises(ValueError, match="checksum"):
+        kvmove.KVMover(kv, store, page_tokens=4, staging_slots=2, checksum=True,
+                       path="in_place")
+    with pytest.raises(ValueError, match="path"):
+        kvmove.KVMover(kv, store, page_tokens=4, staging_slots=2, path="zero_copy")
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=2, checksum=True) as m:
+        assert m.path == "staged" and "checksum" in m.path_choice.reason
+    why = path_choice.in_place_refusal(kv, object(), checksum=False)
+    assert "names no transport" in why
+
+
+def test_auto_is_deterministic_once_chosen(store, keyspace, monkeypatch):
+    path_choice.forget_recorded()
+    probes = []
+    real = mover_module.probe
+    monkeypatch.setattr(mover_module, "probe", lambda *a, **k: probes.append(k) or real(*a, **k))
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](64))
+    first = kvmove.KVMover(kv, store, page_tokens=1, staging_slots=4)
+    second = kvmove.KVMover(kvmove.KVCache(GEOMETRIES["hybrid"](64)), store, page_tokens=1,
+                            staging_slots=16)
+    other = kvmove.KVMover(kvmove.KVCache(GEOMETRIES["mla"](64)), store, page_tokens=1,
+                           staging_slots=4)
+    several = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4)
+    try:
+        assert len(probes) == 2  # the second mover of a kind takes the recorded choice
+        a, b = first.path_choice, second.path_choice
+        assert (a.evict, a.prefetch, a.reason) == (b.evict, b.prefetch, b.reason)
+        assert b.recorded and not a.recorded and not other.path_choice.recorded
+        assert several.path == "staged" and "pages of 4 tokens" in several.path_choice.reason
+        for d in ("evict", "prefetch"):
+            assert a.figures["staged"][d] > 0 and a.figures["in_place"][d] > 0
+        assert a.path in ("staged", "in_place", "mixed")
+        # Whatever it picked, the objects are the staged ones and read back.
+        keys = keyspace(8)
+        want = rows_bytes(kv, torch.arange(8))
+        assert first.evict(keys, torch.arange(8).reshape(8, 1)).wait(30) == [Status.OK] * 8
+        assert second.prefetch(keys, torch.arange(32, 40).reshape(8, 1)).wait(30) == [
+            Status.OK] * 8
+        assert rows_bytes(second.kv, torch.arange(32, 40)) == want
+    finally:
+        for m in (first, second, other, several):
+            m.close()
+
+
+def test_auto_decides_each_direction_by_the_probe():
+    figures = {"staged": {"evict": 2.0, "prefetch": 3.0},
+               "in_place": {"evict": 2.5, "prefetch": 1.0}, "pages": 8, "rounds": 3}
+    choice = path_choice.decide(figures)
+    assert (choice.evict, choice.prefetch, choice.path) == ("staged", "in_place", "mixed")
+    assert "evict staged" in choice.reason and "prefetch in_place" in choice.reason
+    unsafe = path_choice.decide({"unsafe": "a get of a smaller object wrote into the rows"})
+    assert (unsafe.evict, unsafe.prefetch) == ("staged", "staged")
+    assert "wrote" in unsafe.reason
+
+
+def test_a_probe_that_fails_leaves_auto_staged(store, monkeypatch):
+    path_choice.forget_recorded()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("probe evict did not end OK: no_space")
+
+    monkeypatch.setattr(mover_module, "probe", broken)
+    kv = kvmove.KVCache(GEOMETRIES["mla"](16))
+    with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2) as m:
+        assert m.path == "staged" and "probe failed" in m.path_choice.reason
+    path_choice.forget_recorded()
