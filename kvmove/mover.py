@@ -36,7 +36,7 @@ from kvmove.rows.device_ring import prepare_rings
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
-from kvmove.status import BAD_ROWS, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
+from kvmove.status import BAD_ROWS, CALL_TIMEOUT, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
 from kvmove.transfer import (
     FutureEvent,
     LayerProgress,
@@ -122,8 +122,11 @@ class KVMover:
     paths. In place, ``evict`` returns once the put has read the rows (CPU; on CUDA
     ``gathered`` completes then), a prefetch lands every layer at once, and a ``FAILED``
     key whose transfer broke mid-way may leave part of its object in its own rows (MISS and
-    SIZE_MISMATCH never write). ``checksum=True`` and a device cache over a transport that
-    does not read device memory refuse ``"in_place"`` (``auto`` stays staged).
+    SIZE_MISMATCH never write). So ``auto`` keeps prefetches staged (a failed prefetch
+    leaves the rows untouched) unless ``prefetch_into_free_rows=True`` says that the rows a
+    prefetch names hold nothing the engine needs until the prefetch is OK (freshly
+    allocated blocks, as vLLM's loads). ``checksum=True`` and a device cache over a transport
+    that does not read device memory refuse ``"in_place"`` (``auto`` stays staged).
     """
 
     def __init__(
@@ -142,14 +145,19 @@ class KVMover:
         raw_keys: bool = False,
         layout: str = "layer_first",
         path: str = "auto",
+        prefetch_into_free_rows: bool = False,
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
         check_positive_int(workers, "workers")
         self.kv = kv
         self.store = store
+        if not isinstance(prefetch_into_free_rows, bool):
+            raise TypeError(f"prefetch_into_free_rows must be a bool, got "
+                            f"{prefetch_into_free_rows!r}")
         self.path_choice = self._choose_path(check_path(path), page_tokens, staging_slots,
-                                             backend, layout, checksum)
+                                             backend, layout, checksum,
+                                             prefetch_into_free_rows)
         wanted = "in_place" in (self.path_choice.evict, self.path_choice.prefetch)
         self._rows = self._register_rows(page_tokens, layout, asked=path) if wanted else None
         choice = self.path_choice  # staged after all where the store refused the KV memory
@@ -200,7 +208,8 @@ class KVMover:
         store.register(self.staging)
         log_choice(self.path_choice)
 
-    def _choose_path(self, path, page_tokens, staging_slots, backend, layout, checksum):
+    def _choose_path(self, path, page_tokens, staging_slots, backend, layout, checksum,
+                     free_rows):
         """The :class:`~kvmove.path_choice.PathChoice` for ``path`` (arguments the probe
         uses are checked first: a bad one raises here, not inside the probe)."""
         check_positive_int(page_tokens, "page_tokens")
@@ -213,7 +222,7 @@ class KVMover:
                            backend=backend, layout=layout, workers=1, path=path)
 
         return resolve(path, self.kv, self.store, page_tokens=page_tokens, layout=layout,
-                       checksum=checksum,
+                       checksum=checksum, prefetch_into_free_rows=free_rows,
                        probe=lambda: probe(self.kv, self.store, page_tokens=page_tokens,
                                            layout=layout, make_mover=scratch_mover,
                                            pages=staging_slots))
@@ -667,13 +676,30 @@ class KVMover:
             pages, self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
             call.valid[good], get=False)
         t0 = time.perf_counter()
-        got, got_codes = self._store_call(self.store.put, desc)
+        got, got_codes, late = self._store_call(self.store.put, desc)
         times = StageTimes(put=time.perf_counter() - t0)
         for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
             statuses[i], codes[i] = st, code
+        if late is not None:
+            self._forget_when_done(late, [k for k, c in zip(desc.keys, got_codes, strict=True)
+                                          if c == CALL_TIMEOUT])
         result = TransferResult(statuses, codes, _ok_bytes(desc, got), times)
         self._count(result, put=True)
         return result
+
+    def _forget_when_done(self, late, keys: list[str]) -> None:
+        """An in-place put given up still reads the KV rows until Mooncake returns, and the
+        engine may have written them meanwhile (its evict ended FAILED): once the call has
+        returned, remove what it may have stored, so no key holds bytes of two moments."""
+        def remove(_future) -> None:
+            try:
+                self.store.remove(keys, force=True)
+            except Exception as e:  # the store may be closed by then
+                log.warning("removing %d keys of an in-place put given up failed: %s",
+                            len(keys), e)
+
+        if keys:
+            late.add_done_callback(remove)
 
     def _get_in_place(self, call: Call, layerwise: bool, progress: LayerProgress
                       ) -> TransferResult:
@@ -687,7 +713,14 @@ class KVMover:
                                                         self.keyspace.store_keys(call.keys),
                                                call.valid, get=True, bad=bad)
             t0 = time.perf_counter()
-            statuses, codes = self._store_call(self.store.get, desc)
+            statuses, codes, late = self._store_call(self.store.get, desc)
+            if late is not None:
+                # A get given up may still write into the KV rows until Mooncake returns
+                # (at most its own transfer timeout, 60 s): the prefetch ends only then,
+                # so that no late byte lands in rows the engine took back.
+                log.warning("in-place prefetch: a store call was given up; waiting for it "
+                            "to return before the rows go back to the engine")
+                late.result()
             times = StageTimes(get=time.perf_counter() - t0)
             if bad is not None:
                 ok = np.fromiter((s is Status.OK for s in statuses), dtype=bool,

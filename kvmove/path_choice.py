@@ -124,10 +124,33 @@ def record_key(kv: KVCache, store, page_tokens: int, layout: str) -> tuple:
 
 
 def resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str, checksum: bool,
-            probe: Callable[[], dict]) -> PathChoice:
+            probe: Callable[[], dict], prefetch_into_free_rows: bool = False) -> PathChoice:
     """The :class:`PathChoice` for ``path``: ``"staged"`` as asked; ``"in_place"`` as asked
     or ``ValueError`` saying why it cannot be; ``"auto"`` recorded, or measured with
-    ``probe()`` (``{"staged": ms, "in_place": ms}``; it may raise: then staged)."""
+    ``probe()`` (``{"staged": ms, "in_place": ms}``; it may raise: then staged). Under
+    ``auto`` prefetches go in place only with ``prefetch_into_free_rows`` (see
+    :func:`keep_failed_rows`)."""
+    return keep_failed_rows(_resolve(path, kv, store, page_tokens=page_tokens, layout=layout,
+                                     checksum=checksum, probe=probe),
+                            asked=path, free_rows=prefetch_into_free_rows)
+
+
+def keep_failed_rows(choice: PathChoice, *, asked: str, free_rows: bool) -> PathChoice:
+    """``choice`` with prefetches staged where ``auto`` chose them in place but the caller
+    did not say that a prefetch's rows hold nothing it needs until the prefetch is OK: a
+    failed in-place get can leave part of its object in its key's rows, and the default
+    contract is that a failed prefetch leaves the rows untouched."""
+    if asked != "auto" or free_rows or choice.prefetch != "in_place":
+        return choice
+    return PathChoice(choice.evict, "staged",
+                      f"{choice.reason}; prefetches staged all the same: a failed in-place "
+                      f"get may leave part of its object in the rows "
+                      f"(prefetch_into_free_rows=True allows it)",
+                      choice.figures, choice.recorded)
+
+
+def _resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str,
+             checksum: bool, probe: Callable[[], dict]) -> PathChoice:
     check_path(path)
     refusal = None if path == "staged" else in_place_refusal(kv, store, checksum=checksum)
     if path == "staged":

@@ -372,3 +372,34 @@ def test_a_probe_that_fails_leaves_auto_staged(store, monkeypatch):
     with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2) as m:
         assert m.path == "staged" and "probe failed" in m.path_choice.reason
     path_choice.forget_recorded()
+
+
+def test_auto_keeps_prefetches_staged_unless_their_rows_are_free():
+    # A failed in-place get can leave part of its object in the key's rows: by default a
+    # failed prefetch leaves the rows untouched, so auto keeps prefetches staged.
+    chose_both = path_choice.PathChoice("in_place", "in_place", "auto: measured")
+    kept = path_choice.keep_failed_rows(chose_both, asked="auto", free_rows=False)
+    assert (kept.evict, kept.prefetch) == ("in_place", "staged")
+    assert "prefetch_into_free_rows=True" in kept.reason
+    assert path_choice.keep_failed_rows(chose_both, asked="auto", free_rows=True) is chose_both
+    asked = path_choice.PathChoice.both("in_place", "asked for")
+    assert path_choice.keep_failed_rows(asked, asked="in_place", free_rows=False) is asked
+
+
+def test_the_mover_passes_its_promise_about_prefetch_rows(store, monkeypatch):
+    path_choice.forget_recorded()
+    measured = {"staged": {"evict": 2.0, "prefetch": 3.0},
+                "in_place": {"evict": 1.0, "prefetch": 1.0}, "pages": 2, "rounds": 1}
+    monkeypatch.setattr(mover_module, "probe", lambda *a, **k: measured)
+    kv = kvmove.KVCache(GEOMETRIES["mla"](16))
+    try:
+        with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2) as m:
+            assert (m.path_choice.evict, m.path_choice.prefetch) == ("in_place", "staged")
+        with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2,
+                            prefetch_into_free_rows=True) as m:
+            assert m.path == "in_place"
+        with pytest.raises(TypeError, match="prefetch_into_free_rows"):
+            kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2,
+                           prefetch_into_free_rows="yes")
+    finally:
+        path_choice.forget_recorded()

@@ -53,8 +53,12 @@ class WorkerSide:
         slots = max(1, min(self.num_blocks, self.plan.staging_bytes // object_bytes))
         # path="auto": where the store reaches vLLM's blocks (host memory; device memory over
         # RDMA) and moving them in place measures faster, saves and loads skip staging.
+        # A load lands in blocks vLLM allocated for it; a block whose load failed is
+        # recomputed (kv_load_failure_policy "recompute"): whatever a failed in-place get left
+        # in it is overwritten, so loads may go in place too.
         self.mover = kvmove.KVMover(kv, self.store, page_tokens=1, staging_slots=slots,
-                                    raw_keys=True, path=self.plan.path)
+                                    raw_keys=True, path=self.plan.path,
+                                    prefetch_into_free_rows=True)
         choice = self.mover.path_choice
         log.info("kvmove connector: %d regions of %d B per block, %d staging blocks; saves "
                  "%s, loads %s (%s)", len(views), views[0].shape[1],
