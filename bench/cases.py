@@ -12,6 +12,7 @@ ROW_BYTES = (132, 656, 1152, 4096)  # fp8 indexer + scale, DSA fp8 MLA, bf16 MLA
 PAGE_TOKENS = (1, 16, 64)
 PAGES = (256, 1024, 4096)
 DIRECTIONS = ("gather", "scatter")
+CACHES = ("stacked", "per_layer")  # one [L, rows, ...] tensor; L separately allocated layers
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Settings:
     page_tokens: tuple[int, ...] = PAGE_TOKENS
     pages: tuple[int, ...] = PAGES
     directions: tuple[str, ...] = DIRECTIONS
+    caches: tuple[str, ...] = CACHES
     methods: tuple[str, ...] | None = None  # None: every method that runs on the device
     extra: dict = field(default_factory=dict)
 
@@ -63,7 +65,7 @@ class Settings:
             "max_bytes": self.max_bytes, "warmup": self.warmup, "repeats": self.repeats,
             "max_calls": self.max_calls, "row_bytes": list(self.row_bytes),
             "page_tokens": list(self.page_tokens), "pages": list(self.pages),
-            "directions": list(self.directions),
+            "directions": list(self.directions), "caches": list(self.caches),
             "methods": None if self.methods is None else list(self.methods),
         }
 
