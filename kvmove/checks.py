@@ -44,12 +44,24 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
         raise TypeError(f"{name} must be int32 or int64, got dtype {value.dtype}")
     if value.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(value.shape)}")
-    if value.device.type != "cpu" and value.device != device:
+    if not value.is_cpu and value.device != device:
         raise ValueError(
             f"{name} is on {value.device}; indices must be on the CPU"
             + (f" or {device}" if device is not None and device.type != "cpu" else "")
         )
     return value
+
+
+def check_same_geometry(src_shape: dict, dst_shape: dict, src_kind: str, dst_kind: str
+                        ) -> None:
+    """Two row pools that rows are copied between name the same buffers with the same
+    layers and row bytes (``shape``: buffer -> (layers, row bytes)); else ``ValueError``
+    showing both."""
+    if src_shape != dst_shape:
+        raise ValueError(
+            f"source and destination differ in geometry (buffer: (layers, row bytes)): "
+            f"{src_kind} {src_shape} vs {dst_kind} {dst_shape}"
+        )
 
 
 def _values(rows: torch.Tensor | np.ndarray) -> np.ndarray:

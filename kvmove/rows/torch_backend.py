@@ -14,10 +14,15 @@ Speed on the CPU:
 - a gather or scatter whose pages are all whole (the usual paged KV cache) is planned from
   the pages alone: no row lists are built;
 - where both sides are one run of units (a page into a slot, consecutive pages into
-  consecutive slots), each layer is one ``copy_``, in the widest element type (so that a
-  small copy stays on one thread: waking OpenMP workers costs more than it moves);
-- ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row;
-  ``index_copy_`` copies element by element, so its units are viewed with the widest element
+  consecutive slots) in host memory, each layer is one ``memmove`` (up to
+  :data:`MEMMOVE_MAX_BYTES` a layer): no torch call, no view; on a device, or larger, one
+  ``copy_`` per layer (or one for every layer of a stacked cache), in the widest element
+  type (so that a small copy stays on one thread: waking OpenMP workers costs more than it
+  moves);
+- ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row
+  (one call per layer; one for every layer of a stacked cache while the copy is small, see
+  :data:`STACKED_SELECT_MAX_BYTES`);
+- ``index_copy_`` copies element by element, so its units are viewed with the widest element
   type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
   faster at 656-byte rows; 16 bytes, as complex128, another 15-40%); the per-layer views
   are cached by the row pools.
@@ -25,21 +30,58 @@ Speed on the CPU:
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kvmove.memory.row_pool import BufferRows, shared_wide_type
 from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
+
+# A run of units into a run in host memory moves with one memmove per layer up to this many
+# bytes per layer: no torch dispatch and no views to make (a few hundred nanoseconds a
+# layer, against microseconds for a view and a copy_). Larger runs go to torch's copy_,
+# which splits them over threads (it does above 32768 elements: 512 KiB of complex128).
+MEMMOVE_MAX_BYTES = 512 << 10
+# An index_select of every layer in one call (a 3-D view, dim 1) saves one call per layer
+# but leaves torch's memcpy path for an element-wise one: up to this many bytes in all it
+# is faster (measured: 2-16x at 16 KiB-1 MiB, 8 layers), past a few MiB slower (0.7x at
+# 20-34 MiB) than one dim-0 index_select per layer.
+STACKED_SELECT_MAX_BYTES = 4 << 20
+
+_memmove = ctypes.memmove  # releases the GIL, as torch's copies do
+
+
+def _memmove_runs(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,
+                  s0: int, d0: int, m: int) -> None:
+    """Units ``s0 .. s0 + m - 1`` of ``src`` into units ``d0 ..`` of ``dst``, one memmove
+    per layer: both in host memory, rows without padding. The bounds are checked here,
+    whatever the caller checked: a memmove has no view to stop it."""
+    unit_bytes = unit * src.row_bytes
+    units = src.num_rows // unit, dst.num_rows // unit
+    if min(s0, d0, m) < 0 or s0 + m > units[0] or d0 + m > units[1]:
+        raise IndexError(f"buffer {src.name!r}: a run of {m} units of {unit} rows at {s0} -> "
+                         f"{d0} leaves the pools ({units[0]} and {units[1]} units)")
+    nbytes, s_off, d_off = m * unit_bytes, s0 * unit_bytes, d0 * unit_bytes
+    for s, d in zip(src.host_addresses(layers), dst.host_addresses(layers), strict=True):
+        _memmove(d + d_off, s + s_off, nbytes)
 
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,
                part: Part) -> None:
     """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
     m = len(part)
+    s0, d0 = part.run("src"), part.run("dst")
+    if (s0 is not None and d0 is not None and src.on_host and dst.on_host and src.dense
+            and dst.dense and m * unit * src.row_bytes <= MEMMOVE_MAX_BYTES):
+        # Run to run on the host: a memmove per layer (within one pool too: a memmove reads
+        # its whole span before it writes, as the copy's contract asks).
+        _memmove_runs(src, dst, layers, unit, s0, d0, m)
+        return
     # Views of both sides in one call, where they share a device and no memory (inside one
     # pool every row is read first: torch refuses overlapping operands).
-    direct = src.device == dst.device and src is not dst
-    d0 = part.run("dst") if direct else None
-    s0 = part.run("src") if direct else None
+    direct = src is not dst and src.device == dst.device
+    if not direct:
+        s0 = d0 = None
     wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
     # One call for every layer where both sides allow it; one layer (a layer-wise prefetch)
     # goes through the per-layer views, whose cache holds every layer of a run at once.
@@ -56,7 +98,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
         return
     s_idx = part.tensor("src", src.device)
     if d0 is not None:
-        s3 = src.stacked_units(layers, unit, wide) if stack else None
+        small = m * unit * src.row_bytes * len(layers) <= STACKED_SELECT_MAX_BYTES
+        s3 = src.stacked_units(layers, unit, wide) if stack and small else None
         d3 = dst.stacked_units(layers, unit, wide) if s3 is not None else None
         if d3 is not None:  # into a run of every layer: one call
             torch.index_select(s3, 1, s_idx, out=d3[:, d0:d0 + m])
@@ -110,7 +153,10 @@ def copy_rows_torch(
     if not layers:
         return
     unit = unit_tokens(plan.page_tokens, src.row_bytes)
-    by_page = plan.some_whole and unit > 1 and src.pitch == src.row_bytes == dst.pitch
+    # Whole pages move in units of several rows where rows have no padding; one-token pages
+    # are rows, and the plan's pages are its rows.
+    by_page = plan.some_whole and ((unit > 1 and src.dense and dst.dense)
+                                   or plan.page_tokens == 1)
     if by_page:
         _copy_part(src, dst, layers, unit, plan.units(unit))
         if plan.all_whole:
