@@ -59,7 +59,8 @@ def run_case(w: Workload, case: Case, methods: tuple[str, ...], settings: Settin
             built = baselines.build(name, w, case, max_calls=settings.max_calls)
             if built is not None:
                 fns[name], nbytes[name] = built
-    timings = measure(fns, device=w.device, warmup=settings.warmup, repeats=settings.repeats)
+    timings = measure(fns, device=w.device, warmup=settings.warmup, repeats=settings.repeats,
+                      min_sample_s=settings.min_sample_s)
     return {
         "direction": case.direction, "cache": w.cache, "row_bytes": case.row_bytes,
         "page_tokens": case.page_tokens, "pages": case.pages, "layers": case.layers,
@@ -71,6 +72,7 @@ def run_case(w: Workload, case: Case, methods: tuple[str, ...], settings: Settin
                 "median_s": t.median,
                 "gbps": nbytes[name] / t.median / 1e9,
                 "spread": round(t.spread, 3),
+                "calls_per_sample": t.calls,
                 "samples_s": t.samples,
             }
             for name, t in timings.items()

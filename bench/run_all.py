@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=None,
                    help="kvmove methods and baselines to time (default: all that apply)")
     p.add_argument("--max-mib", type=int, default=None, help="byte cap per side of a case")
+    p.add_argument("--min-sample-ms", type=float, default=None,
+                   help="a sample of a shorter call is several calls back to back, about "
+                        "this long (CPU default: 20 ms, 5 with --quick; 0: one call)")
     p.add_argument("--max-calls", type=int, default=None,
                    help="copies per timed run of the per-page/per-row memcpy loops")
     p.add_argument("--only", nargs="+", choices=["kernels", *SUITES], default=None,
@@ -94,6 +97,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             setattr(s, field, tuple(value))
     if args.max_mib is not None:
         s.max_bytes = args.max_mib << 20
+    if args.min_sample_ms is not None:
+        s.min_sample_s = args.min_sample_ms / 1e3
     return s
 
 

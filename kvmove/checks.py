@@ -169,10 +169,13 @@ def check_keys(keys: Sequence[str], name: str = "keys", *, unique: bool = True) 
             + (" (wrap a single key in a list)" if isinstance(keys, str) else "")
         )
     keys = list(keys)
-    if set(map(type, keys)) - {str}:
+    try:
+        "".join(keys)  # one pass in C, which stops at the first item that is not a str
+    except TypeError:
         for i, k in enumerate(keys):
             if not isinstance(k, str):
-                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}")
+                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}") \
+                    from None
     distinct = set(keys)
     if "" in distinct:
         raise ValueError(f"{name}[{keys.index('')}] is an empty string; keys must be non-empty")
@@ -263,9 +266,10 @@ def small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
     if rows.size > SMALL_ROWS:
         return False
     flat = rows.ravel().tolist()
-    if min(flat) < -1 or max(flat) >= limit:
+    low = min(flat)
+    if low < -1 or max(flat) >= limit:
         return False
     if unique:
-        kept = [r for r in flat if r >= 0]
+        kept = flat if low >= 0 else [r for r in flat if r >= 0]
         return len(set(kept)) == len(kept)
     return True

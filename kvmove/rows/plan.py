@@ -16,8 +16,10 @@ import functools
 import numpy as np
 import torch
 
-from kvmove.checks import SMALL_ROWS  # up to this many rows, Python lists cost less
-
+# Up to this many rows, a plan of whole pages is worked out in Python lists: a dozen numpy
+# calls cost more than the lists below it (measured: 0.4-0.6x at 4-16 rows, even at 64,
+# 2.5-3x at 256).
+SMALL_PLAN_ROWS = 64
 # Pages move in units of at most this many bytes: torch's CPU index_select leaves its
 # memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
 UNIT_BYTES = 16 << 10
@@ -204,7 +206,7 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         return None
     largest_page = (kv_rows - page_tokens) // page_tokens
     runs = None
-    if n * page_tokens <= SMALL_ROWS:  # a few pages: Python's lists cost less than numpy's
+    if n * page_tokens <= SMALL_PLAN_ROWS:  # a few pages: lists cost less than numpy calls
         found = _small_whole_pages(kv_pages.tolist(), slots.tolist(), page_tokens,
                                    largest_page, num_slots)
         if found is None:
