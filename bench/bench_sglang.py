@@ -43,7 +43,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # SGLang's config package imports torchvision at module level (see the stand-in's docstring).
-sys.path.insert(0, str(ROOT / "integration_tests" / "sglang" / "stand_ins"))
+sys.path.insert(0, str(ROOT / "tests" / "integrations" / "sglang" / "stand_ins"))
 
 import kvmove  # noqa: E402
 from bench import results  # noqa: E402

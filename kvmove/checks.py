@@ -116,6 +116,8 @@ def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
 
 def as_int_array(value, name: str) -> np.ndarray:
     """``value`` (tensor, array or sequence of ints) as a 1-D int64 numpy array."""
+    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+        return value  # already one (page numbers worked out by kvmove, say)
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{name} must hold integers, got a tensor of {value.dtype}")
@@ -123,7 +125,9 @@ def as_int_array(value, name: str) -> np.ndarray:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
         if value.is_meta:
             raise TypeError(f"{name} must be a tensor with data, got a meta tensor")
-        return value.detach().cpu().numpy().astype(np.int64, copy=False)
+        if not value.is_cpu or value.requires_grad:
+            value = value.detach().cpu()
+        return value.numpy().astype(np.int64, copy=False)
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must hold integers, got {type(value).__name__} {value!r}")
     try:
@@ -192,14 +196,13 @@ def check_slots(slots, n: int, num_slots: int) -> np.ndarray:
     arr = as_int_array(slots, "slots")
     if arr.size != n:
         raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
-    if n:
+    if n and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
         bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
-        if bad.size:
-            i = int(bad[0])
-            raise IndexError(
-                f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
-                f"({bad.size} slot(s) out of range)"
-            )
+        i = int(bad[0])
+        raise IndexError(
+            f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
+            f"({bad.size} slot(s) out of range)"
+        )
     return arr
 
 
@@ -244,16 +247,18 @@ def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str) -> 
     if idx.size % p:
         raise ValueError(f"{name} has {idx.size} entries, not a whole number of pages of "
                          f"{p} tokens")
-    first = idx[::p]
-    bad = np.flatnonzero(first % p)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i * p}] = {int(first[i])} does not start a page of {p} "
-                         "tokens")
-    pages = first // p
-    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
-    if out.size:
-        i = int(out[0])
+    if p == 1:  # every index starts a page: it is its page
+        pages = first = idx.copy()  # (not a view of the caller's tensor)
+    else:
+        first = idx[::p]
+        bad = np.flatnonzero(first % p)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i * p}] = {int(first[i])} does not start a page of "
+                             f"{p} tokens")
+        pages = first // p
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        i = int(np.flatnonzero((pages < 0) | (pages >= num_pages))[0])
         raise IndexError(f"{name}[{i * p}] = {int(first[i])} is page {int(pages[i])}, "
                          f"outside the pool's {num_pages} pages")
     return pages
