@@ -60,17 +60,12 @@ class BufferRows:
         """Whether the rows live in host memory (the CPU's view of them)."""
         return self.device.type == "cpu"
 
-    def host_addresses(self, layers: tuple[int, ...]) -> tuple[int, ...]:
-        """The host addresses of the first row of ``layers`` (a buffer in host memory;
-        cached)."""
-        key = ("host", layers)
-        addresses = self._tables.get(key)
-        if addresses is None:
-            if not self.on_host:
-                raise ValueError(f"buffer {self.name!r} lives on {self.device}, not on the host")
-            addresses = tuple(self.layers[i].data_ptr() for i in layers)
-            self._tables[key] = addresses
-        return addresses
+    @functools.cached_property
+    def host_bases(self) -> tuple[int, ...]:
+        """The host address of each layer's first row (a buffer in host memory)."""
+        if not self.on_host:
+            raise ValueError(f"buffer {self.name!r} lives on {self.device}, not on the host")
+        return tuple(t.data_ptr() for t in self.layers)
 
     def address_table(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """int64 tensor of the device addresses of ``layers``, on ``device`` (cached)."""

@@ -48,7 +48,7 @@ class Part:
     unit numbers are an int64 numpy array, or a list made one on first use (a plan of a few
     pages that copies runs never needs them)."""
 
-    __slots__ = ("_runs", "_sides", "_tensors", "count")
+    __slots__ = ("_runs", "_sides", "_tensors", "count", "moves")
 
     def __init__(self, src: np.ndarray | list[int], dst: np.ndarray | list[int],
                  runs: dict[str, int | None] | None = None):
@@ -56,6 +56,9 @@ class Part:
         self.count = len(src)
         self._runs: dict[str, int | None] = dict(runs) if runs else {}  # side -> first unit
         self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # What a backend worked out for moving this part between two buffers, kept for the
+        # next layer set (a layer-wise copy runs one plan once per layer).
+        self.moves: dict = {}
 
     def __len__(self) -> int:
         return self.count

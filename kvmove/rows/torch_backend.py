@@ -38,9 +38,11 @@ from kvmove.memory.row_pool import BufferRows, shared_wide_type
 from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
 
 # A run of units into a run in host memory moves with one memmove per layer up to this many
-# bytes per layer: no torch dispatch and no views to make (a few hundred nanoseconds a
-# layer, against microseconds for a view and a copy_). Larger runs go to torch's copy_,
-# which splits them over threads (it does above 32768 elements: 512 KiB of complex128).
+# bytes per layer: no torch dispatch and no views to make (under a microsecond a layer,
+# against microseconds for a view and a copy_), and serial: one copy_ of every layer of a
+# stacked cache splits a copy over OpenMP threads past 32768 elements, and on a busy
+# machine that region waits for its slowest thread (measured: 61 layers x 21 KiB, 0.1 ms
+# by memmoves, 0.4-3.7 ms by one copy_). Larger runs go to torch's copy_.
 MEMMOVE_MAX_BYTES = 512 << 10
 # An index_select of every layer in one call (a 3-D view, dim 1) saves one call per layer
 # but leaves torch's memcpy path for an element-wise one: up to this many bytes in all it
@@ -51,51 +53,65 @@ STACKED_SELECT_MAX_BYTES = 4 << 20
 _memmove = ctypes.memmove  # releases the GIL, as torch's copies do
 
 
-def _memmove_runs(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,
-                  s0: int, d0: int, m: int) -> None:
-    """Units ``s0 .. s0 + m - 1`` of ``src`` into units ``d0 ..`` of ``dst``, one memmove
-    per layer: both in host memory, rows without padding. The bounds are checked here,
-    whatever the caller checked: a memmove has no view to stop it."""
-    unit_bytes = unit * src.row_bytes
+def _host_run(src: BufferRows, dst: BufferRows, unit: int, part: Part
+              ) -> tuple[int, int, int] | None:
+    """``(source offset, destination offset, bytes)`` in each layer where the part is one
+    run of units into one run, both in host memory without row padding and at most
+    :data:`MEMMOVE_MAX_BYTES` a layer: then each layer is one memmove. None otherwise. The
+    bounds are checked here, whatever the caller checked: a memmove has no view to stop
+    it."""
+    s0, d0, m = part.run("src"), part.run("dst"), len(part)
+    if (s0 is None or d0 is None or not (src.on_host and dst.on_host and src.dense
+                                         and dst.dense)
+            or m * unit * src.row_bytes > MEMMOVE_MAX_BYTES):
+        return None
     units = src.num_rows // unit, dst.num_rows // unit
     if min(s0, d0, m) < 0 or s0 + m > units[0] or d0 + m > units[1]:
         raise IndexError(f"buffer {src.name!r}: a run of {m} units of {unit} rows at {s0} -> "
                          f"{d0} leaves the pools ({units[0]} and {units[1]} units)")
-    nbytes, s_off, d_off = m * unit_bytes, s0 * unit_bytes, d0 * unit_bytes
-    for s, d in zip(src.host_addresses(layers), dst.host_addresses(layers), strict=True):
-        _memmove(d + d_off, s + s_off, nbytes)
+    unit_bytes = unit * src.row_bytes
+    return s0 * unit_bytes, d0 * unit_bytes, m * unit_bytes
 
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,
                part: Part) -> None:
     """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
+    key = (id(src), id(dst), unit)  # both buffers live as long as the part
+    run = part.moves.get(key, False)
+    if run is False:
+        run = part.moves[key] = _host_run(src, dst, unit, part)
+    if run is not None:
+        # A memmove per layer, serial (within one pool too: a memmove reads its whole span
+        # before it writes, as the copy's contract asks).
+        s_off, d_off, nbytes = run
+        src_bases, dst_bases = src.host_bases, dst.host_bases
+        for i in layers:
+            _memmove(dst_bases[i] + d_off, src_bases[i] + s_off, nbytes)
+        return
     m = len(part)
     s0, d0 = part.run("src"), part.run("dst")
-    if (s0 is not None and d0 is not None and src.on_host and dst.on_host and src.dense
-            and dst.dense and m * unit * src.row_bytes <= MEMMOVE_MAX_BYTES):
-        # Run to run on the host: a memmove per layer (within one pool too: a memmove reads
-        # its whole span before it writes, as the copy's contract asks).
-        _memmove_runs(src, dst, layers, unit, s0, d0, m)
-        return
     # Views of both sides in one call, where they share a device and no memory (inside one
     # pool every row is read first: torch refuses overlapping operands).
     direct = src is not dst and src.device == dst.device
+    stack = len(layers) > 1
+    if s0 is not None and d0 is not None:  # run to run, on a device or large
+        if direct and stack:  # every layer in one copy, where both sides are one 3-D view
+            wide = shared_wide_type(src, dst, unit)
+            d3 = dst.stacked_run(layers, unit, d0, m, wide)
+            s3 = src.stacked_run(layers, unit, s0, m, wide) if d3 is not None else None
+            if s3 is not None:
+                d3.copy_(s3)
+                return
+        if direct:  # one copy per layer, in the widest element type
+            wide = shared_wide_type(src, dst, unit)
+            dst_runs = dst.run_views(unit, d0, m, wide)
+            src_runs = src.run_views(unit, s0, m, wide)
+            for i in layers:
+                dst_runs[i].copy_(src_runs[i])
+            return
     if not direct:
         s0 = d0 = None
     wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
-    # One call for every layer where both sides allow it; one layer (a layer-wise prefetch)
-    # goes through the per-layer views, whose cache holds every layer of a run at once.
-    stack = len(layers) > 1
-    if d0 is not None and s0 is not None:  # run to run: one copy per layer, or one in all
-        d3 = dst.stacked_run(layers, unit, d0, m, wide) if stack else None
-        s3 = src.stacked_run(layers, unit, s0, m, wide) if d3 is not None else None
-        if s3 is not None:
-            d3.copy_(s3)
-            return
-        dst_runs, src_runs = dst.run_views(unit, d0, m, wide), src.run_views(unit, s0, m, wide)
-        for i in layers:
-            dst_runs[i].copy_(src_runs[i])
-        return
     s_idx = part.tensor("src", src.device)
     if d0 is not None:
         small = m * unit * src.row_bytes * len(layers) <= STACKED_SELECT_MAX_BYTES

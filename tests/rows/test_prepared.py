@@ -224,14 +224,17 @@ def check_run_copies(data, specs, page_tokens, kv_slots):
 def test_a_run_is_bounded_whatever_the_caller_checked():
     """The host run copy (a memmove per layer) refuses a run that leaves either pool,
     before it writes: a memmove has no view to stop it."""
+    from kvmove.rows.plan import Part
+
     kv, staging = world(page_tokens=4, num_slots=2, kv_slots=16)
     src, dst = kv.row_pool.buffers["kv"], staging.row_pool.buffers["kv"]
     before = snapshot(staging)
     for s0, d0, m in ((0, 1, 2), (3, 0, 2), (-1, 0, 1), (0, -1, 1)):
+        part = Part(list(range(s0, s0 + m)), list(range(d0, d0 + m)))
         with pytest.raises(IndexError, match="leaves the pools"):
-            torch_backend._memmove_runs(src, dst, (0, 1, 2), 4, s0, d0, m)
+            torch_backend._copy_part(src, dst, (0, 1, 2), 4, part)
     assert_same(before, snapshot(staging))
-    torch_backend._memmove_runs(src, dst, (1,), 4, 3, 1, 1)  # KV rows 12..15 -> slot 1
+    torch_backend._copy_part(src, dst, (1,), 4, Part([3], [1]))  # KV rows 12..15 -> slot 1
     assert torch.equal(staging.tensor("kv")[1, 1].view(4, 656), kv.layer("kv", 1)[12:16])
     assert torch.equal(staging.tensor("kv")[0], before["kv"][0])  # layer 0 untouched
 
