@@ -1,12 +1,14 @@
-"""The plan of one row copy for the torch backend, worked out once per call in numpy for
-every buffer and layer: which rows to copy (skips and out-of-range rows dropped, and
-counted), which of them form whole pages that can move as units larger than a row, and
-where either side is one run of consecutive rows (a memcpy per unit into a run).
+"""The plan of one row copy for the torch backend, worked out once per call for every
+buffer and layer (and, in a layer-wise copy, every layer): which rows to copy (skips and
+out-of-range rows dropped, and counted), which of them form whole pages that can move as
+units larger than a row, and where either side is one run of consecutive rows (a memcpy
+per unit into a run).
 
 A whole page is ``page_tokens`` rows that are the aligned run ``p * page_tokens ..`` on both
-sides. :func:`plan_rows` finds them in row lists; :func:`plan_whole_pages` builds the plan
-of a gather or scatter straight from its pages when every page is whole (a paged KV
-cache), without row lists.
+sides. :func:`plan_rows` finds them in row lists (numpy); :func:`plan_whole_pages` builds
+the plan of a gather or scatter straight from its pages when every page is whole (a paged
+KV cache), without row lists: in numpy, or for a few pages in Python lists, which know
+their runs and never become arrays where the copy moves runs (a page into a slot).
 """
 
 from __future__ import annotations

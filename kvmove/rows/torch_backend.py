@@ -1,12 +1,15 @@
 """The torch reference backend of the row copy: ``index_select`` / ``index_copy_`` on byte
-views, one layer at a time. The correctness oracle in tests, and the fast path on a machine
-without a GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
+views (and ``memmove`` of runs in host memory), per layer or every layer of a stacked cache
+in one call. The correctness oracle in tests, and the fast path on a machine without a
+GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
 skipped and counted, nothing is written outside a pool.
 
 Speed on the CPU:
 
-- the index work is done once per call, in numpy, for all buffers and layers
+- the index work is done once per call, for all buffers and layers
   (:mod:`kvmove.rows.plan`): skips and out-of-range rows are dropped, and runs are found;
+  what a part's copy resolves to is kept with the plan for the next layer of a layer-wise
+  copy;
 - whole pages move in units of several rows: where ``page_tokens`` rows are the aligned
   run ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed
   as ``[units, unit_tokens * row_bytes]`` (units of up to 16 KiB) and the
