@@ -1,9 +1,9 @@
 """The fixed cost of one call: ``kvmove.gather`` / ``kvmove.scatter`` of a few pages, called
 back to back (warm, as in an engine's step loop), against the copy it makes, made plainly on
 the same data with everything prepared beforehand: on a CPU the torch primitive calls the
-torch backend makes (:func:`bench.baselines.primitive_units`, or the plain row primitive
-where pages are single tokens); on a GPU one launch of the same Triton kernel through its
-launcher. The difference is what kvmove's checks, planning and dispatch cost per call.
+torch backend makes (:func:`bench.baselines.primitive_units`); on a GPU one launch of the
+same Triton kernel through its launcher. The difference is what kvmove's checks, planning
+and dispatch cost per call.
 
 The same run measures the figures of an engine's decode step
 (:mod:`bench.bench_hot_path`): one-page gather/scatter against the plain ops, the return time
@@ -101,10 +101,9 @@ def _gpu_case(case: Case, device: torch.device):
 
 def _cpu_case(case: Case, w: Workload):
     """``(kvmove calls, plain copy)`` of a case on the CPU: the torch primitive calls the
-    torch backend makes (the plain row primitive where that is what it calls). Each one's
-    bytes are checked first."""
+    torch backend makes. Each one's bytes are checked first."""
     token_pages, slots, _ = w.indices(case.pages)
-    plain = baselines.primitive_units(w, case) or baselines.primitive(w, case)
+    plain = baselines.primitive_units(w, case)
     calls = _kvmove_calls(w.kv, w.staging, token_pages, slots, case.direction, "torch")
     for fn in (*calls.values(), plain[0]):  # each writes the right bytes
         w.poison(case.direction, case.pages)

@@ -73,9 +73,12 @@ def markdown(data: dict, source: str | None = None) -> str:
         out.append(f"The torch primitive is a plain per-layer `{PRIMITIVE['gather']}` of the "
                    f"token rows into the staging view (gather) or `{PRIMITIVE['scatter']}` "
                    "from it (scatter). The torch backend moves whole aligned pages in units "
-                   "of up to 16 KiB and copies in 16-byte words where aligned; \"primitive "
-                   "as called\" times exactly those calls, made plainly, so kvmove over it is "
-                   "its own cost. memcpy per page/row are `ctypes.memmove` loops.")
+                   "of up to 16 KiB, copies in 16-byte words where aligned and moves a run "
+                   "into a run with one memmove per layer; \"primitive as called\" times "
+                   "exactly those calls, made plainly, so kvmove over it is its own cost. "
+                   "memcpy per page/row are `ctypes.memmove` loops. Caches are given as one "
+                   "stacked tensor or as per-layer tensors (one allocation per layer, as "
+                   "SGLang's device pools).")
     else:
         out.append("memcpy per page/row are `cudaMemcpyAsync` loops to or from pinned host "
                    "memory; CPU rearrange is a bulk copy of the touched KV to pinned host "

@@ -116,8 +116,13 @@ def test_per_call_baselines_copy_the_right_bytes():
                 fn()
                 w.check(direction, pages)
                 assert nbytes == case.nbytes
-    assert baselines.build("primitive_units", w, Case("gather", 132, 1, 8, 2),
-                           max_calls=10) is None  # one-token pages: the plain primitive
+    w1 = Workload(132, 1, 8, 2, torch.device("cpu"), cache="per_layer")
+    for direction in ("gather", "scatter"):  # one-token pages: rows in wide elements
+        case = Case(direction, 132, 1, 8, 2)
+        w1.poison(direction, 8)
+        fn, _ = baselines.build("primitive_units", w1, case, max_calls=10)
+        fn()
+        w1.check(direction, 8)
 
 
 def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
