@@ -34,7 +34,11 @@ from bench.cases import Case
 from bench.workload import Workload
 from kvmove.memory.row_pool import shared_wide_type
 from kvmove.rows.plan import unit_tokens
-from kvmove.rows.torch_backend import MEMMOVE_MAX_BYTES, STACKED_SELECT_MAX_BYTES
+from kvmove.rows.torch_backend import (
+    MEMMOVE_MAX_BYTES,
+    SERIAL_SELECT_MAX_BYTES,
+    STACKED_SELECT_MAX_BYTES,
+)
 
 Method = tuple[Callable[[], None], int]
 
@@ -114,6 +118,9 @@ def primitive_units(w: Workload, case: Case) -> Method:
         return run_copies, case.nbytes
     pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
     if case.direction == "gather":
+        if n * unit_bytes > SERIAL_SELECT_MAX_BYTES:  # in bytes: even chunks over threads
+            pairs = list(zip(kv, st, strict=True))
+
         def run_selects() -> None:
             for k, s in pairs:
                 torch.index_select(k, 0, units, out=s)

@@ -53,6 +53,10 @@ MEMMOVE_MAX_BYTES = 512 << 10
 # 20-34 MiB) than one dim-0 index_select per layer.
 STACKED_SELECT_MAX_BYTES = 4 << 20
 
+# Up to this many bytes a layer, a per-layer index_select runs in wide elements (one thread);
+# past it in bytes (even chunks over the threads).
+SERIAL_SELECT_MAX_BYTES = 64 << 10
+
 _memmove = ctypes.memmove  # releases the GIL, as torch's copies do
 
 
@@ -123,12 +127,14 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
         if d3 is not None:  # into a run of every layer: one call
             torch.index_select(s3, 1, s_idx, out=d3[:, d0:d0 + m])
             return
-        runs = dst.run_views(unit, d0, m, wide)
-        if runs[0].is_contiguous():  # into a run: a memcpy per unit, one call per layer
-            # In wide elements: index_select splits its units over threads by elements
-            # (32768 a thread), so a small copy stays on one (measured on a busy machine:
-            # 2-14x faster at 256 rows of 132-1152 bytes, as fast at 4096).
-            views = src.unit_views(unit, wide)
+        # Into a run: a memcpy per unit, one call per layer. index_select hands its units
+        # to threads in chunks of 32768 elements: in wide elements a small copy stays on
+        # one thread (waking OpenMP workers costs more than it moves), in bytes a large one
+        # is cut into even 32 KiB chunks.
+        serial = m * unit * src.row_bytes <= SERIAL_SELECT_MAX_BYTES
+        runs = dst.run_views(unit, d0, m, wide if serial else torch.uint8)
+        if runs[0].is_contiguous():
+            views = src.unit_views(unit, wide if serial else torch.uint8)
             for i in layers:
                 torch.index_select(views[i], 0, s_idx, out=runs[i])
             return

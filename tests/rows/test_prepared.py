@@ -165,6 +165,7 @@ def test_run_copies_the_rows_it_is_given(data, specs, page_tokens, kv_slots, sma
         if small_paths:
             patch.setattr(torch_backend, "MEMMOVE_MAX_BYTES", 0)
             patch.setattr(torch_backend, "STACKED_SELECT_MAX_BYTES", 0)
+            patch.setattr(torch_backend, "SERIAL_SELECT_MAX_BYTES", 0)
         check_run_copies(data, specs, page_tokens, kv_slots)
 
 
@@ -253,6 +254,7 @@ def test_every_torch_path_moves_the_same_bytes(cache, pattern, thresholds, page_
     if thresholds == "zero":
         monkeypatch.setattr(torch_backend, "MEMMOVE_MAX_BYTES", 0)
         monkeypatch.setattr(torch_backend, "STACKED_SELECT_MAX_BYTES", 0)
+        monkeypatch.setattr(torch_backend, "SERIAL_SELECT_MAX_BYTES", 0)
     spec = {"stacked": (0, True), "per_layer": (0, False), "padded": (3, False)}[cache]
     specs = [("kv", 3, 656, torch.uint8, *spec), ("ix", 2, 132, torch.float32, *spec)]
     kv = build_cache(specs, 12 * page_tokens, seed=4)
