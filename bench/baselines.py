@@ -6,10 +6,10 @@
   ``index_select`` of the token rows into the staging view (gather) / ``index_copy_`` from
   it (scatter);
 - ``primitive_units`` (CPU): the primitive calls the torch backend makes, made plainly:
-  whole pages move in units of up to 16 KiB (``index_select`` into the staging units;
-  ``index_copy_`` in 16-byte words where aligned, rows too; one ``copy_`` per layer where
-  both sides are one run of units), so the torch backend's own cost is its time over this
-  one;
+  whole pages move in units of up to 16 KiB (``index_select`` into the staging units and
+  ``index_copy_`` from them, in 16-byte words where aligned, rows too; one ``memmove`` per
+  layer where both sides are one run of units), so the torch backend's own cost is its
+  time over this one;
 - ``memcpy_page``: one memcpy per page-layer span (``ctypes.memmove`` on the CPU,
   ``cudaMemcpyAsync`` to or from pinned host memory on a GPU);
 - ``memcpy_row``: one memcpy per token row per layer, what a naive port does;
@@ -34,6 +34,11 @@ from bench.cases import Case
 from bench.workload import Workload
 from kvmove.memory.row_pool import shared_wide_type
 from kvmove.rows.plan import unit_tokens
+from kvmove.rows.torch_backend import (
+    MEMMOVE_MAX_BYTES,
+    SERIAL_SELECT_MAX_BYTES,
+    STACKED_SELECT_MAX_BYTES,
+)
 
 Method = tuple[Callable[[], None], int]
 
@@ -67,15 +72,15 @@ def primitive(w: Workload, case: Case) -> Method:
     return run, case.nbytes
 
 
-def primitive_units(w: Workload, case: Case) -> Method | None:
-    """The primitive calls the torch backend makes, made plainly: per layer
-    ``index_select`` / widened ``index_copy_`` on ``[units, unit bytes]`` views, the units
-    it moves whole pages in (rows where pages are one token), or a widened ``copy_`` where
-    the KV units are one run as the staging ones are. None where that is the plain
-    row ``primitive`` itself (a gather of one-token pages)."""
+def primitive_units(w: Workload, case: Case) -> Method:
+    """The primitive calls the torch backend makes, made plainly, on ``[units, unit bytes]``
+    views in its widest element type (the units it moves whole pages in; rows where pages
+    are one token): a ``memmove`` per layer where both sides are one run of units in host
+    memory (or a ``copy_``, larger or on a device); else per layer ``index_select`` /
+    ``index_copy_``, or one such call for every layer where both sides' layers are one
+    evenly spaced view (an ``index_select`` only while the copy is small, as the backend
+    does)."""
     unit = unit_tokens(case.page_tokens, w.row_bytes)
-    if unit == 1 and case.direction == "gather":
-        return None
     token_pages, _, _ = w.indices(case.pages)
     per_page = case.page_tokens // unit
     units = ((token_pages[:, 0] // unit)[:, None] + torch.arange(per_page)).reshape(-1)
@@ -85,38 +90,55 @@ def primitive_units(w: Workload, case: Case) -> Method | None:
     kv_rows, st_rows = w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"]
     wide = shared_wide_type(kv_rows, st_rows, unit)
     first = int(units[0])
+    run = torch.equal(units, torch.arange(first, first + n))  # run to run (staging is one)
+    if run and w.device.type == "cpu" and n * unit_bytes <= MEMMOVE_MAX_BYTES:
+        spans = [(k[first].data_ptr(), s.data_ptr()) for k, s in zip(kv, st, strict=True)]
+        size = n * unit_bytes
+        pairs = spans if case.direction == "gather" else [(s, k) for k, s in spans]
+
+        def run_memmoves() -> None:
+            for src, dst in pairs:
+                ctypes.memmove(dst, src, size)
+
+        return run_memmoves, case.nbytes
     stacked = _stacked_calls(kv_rows, st_rows, case, unit, units, wide, first)
     if stacked is not None:
         return stacked, case.nbytes
-    if torch.equal(units, torch.arange(first, first + n)):  # run to run (staging is one)
+    if run:
         pairs = [(k[first:first + n].view(wide), s.view(wide)) for k, s in zip(kv, st,
                                                                                strict=True)]
         if case.direction == "gather":
-            def run() -> None:
+            def run_copies() -> None:
                 for k, s in pairs:
                     s.copy_(k)
         else:
-            def run() -> None:
+            def run_copies() -> None:
                 for k, s in pairs:
                     k.copy_(s)
-        return run, case.nbytes
+        return run_copies, case.nbytes
+    pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
     if case.direction == "gather":
-        def run() -> None:
-            for k, s in zip(kv, st, strict=True):
-                torch.index_select(k, 0, units, out=s)
-    else:
-        pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
+        if n * unit_bytes > SERIAL_SELECT_MAX_BYTES:  # in bytes: even chunks over threads
+            pairs = list(zip(kv, st, strict=True))
 
-        def run() -> None:
+        def run_selects() -> None:
             for k, s in pairs:
-                k.index_copy_(0, units, s)
-    return run, case.nbytes
+                torch.index_select(k, 0, units, out=s)
+
+        return run_selects, case.nbytes
+
+    def run_index_copies() -> None:
+        for k, s in pairs:
+            k.index_copy_(0, units, s)
+
+    return run_index_copies, case.nbytes
 
 
 def _stacked_calls(kv_rows, st_rows, case: Case, unit: int, units: torch.Tensor, wide,
                    first: int):
     """The torch backend's one call for every layer, made plainly, where both sides' layers
-    are one evenly spaced view (:meth:`BufferRows.stacked_units`); None elsewhere."""
+    are one evenly spaced view (:meth:`BufferRows.stacked_units`) and it makes one (an
+    index_select up to :data:`STACKED_SELECT_MAX_BYTES`); None elsewhere."""
     layers = tuple(range(case.layers))
     kv3, st3 = kv_rows.stacked_units(layers, unit, wide), st_rows.stacked_units(layers, unit, wide)
     if kv3 is None or st3 is None:
@@ -127,6 +149,8 @@ def _stacked_calls(kv_rows, st_rows, case: Case, unit: int, units: torch.Tensor,
         return (lambda: st.copy_(k)) if case.direction == "gather" else (lambda: k.copy_(st))
     st = st3[:, :n]
     if case.direction == "gather":
+        if case.nbytes > STACKED_SELECT_MAX_BYTES:
+            return None
         return lambda: torch.index_select(kv3, 1, units, out=st)
     return lambda: kv3.index_copy_(1, units, st)
 

@@ -1,9 +1,9 @@
 """The fixed cost of one call: ``kvmove.gather`` / ``kvmove.scatter`` of a few pages, called
 back to back (warm, as in an engine's step loop), against the copy it makes, made plainly on
 the same data with everything prepared beforehand: on a CPU the torch primitive calls the
-torch backend makes (:func:`bench.baselines.primitive_units`, or the plain row primitive
-where pages are single tokens); on a GPU one launch of the same Triton kernel through its
-launcher. The difference is what kvmove's checks, planning and dispatch cost per call.
+torch backend makes (:func:`bench.baselines.primitive_units`); on a GPU one launch of the
+same Triton kernel through its launcher. The difference is what kvmove's checks, planning
+and dispatch cost per call.
 
 The same run measures the figures of an engine's decode step
 (:mod:`bench.bench_hot_path`): one-page gather/scatter against the plain ops, the return time
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-bytes", type=int, default=656)
     p.add_argument("--page-tokens", type=int, nargs="+", default=[1, 64])
     p.add_argument("--pages", type=int, nargs="+", default=[1, 16, 128])
+    p.add_argument("--caches", nargs="+", choices=bench_hot_path.CACHES,
+                   default=list(bench_hot_path.CACHES),
+                   help="how the KV cache is given (CPU): one stacked tensor, per-layer tensors")
     p.add_argument("--repeat", type=int, default=9, help="timed batches per method")
     p.add_argument("--batch-ms", type=float, default=20.0, help="length of one timed batch")
     p.add_argument("--quick", action="store_true", help="fewer repeats, shorter batches")
@@ -98,10 +101,9 @@ def _gpu_case(case: Case, device: torch.device):
 
 def _cpu_case(case: Case, w: Workload):
     """``(kvmove calls, plain copy)`` of a case on the CPU: the torch primitive calls the
-    torch backend makes (the plain row primitive where that is what it calls). Each one's
-    bytes are checked first."""
+    torch backend makes. Each one's bytes are checked first."""
     token_pages, slots, _ = w.indices(case.pages)
-    plain = baselines.primitive_units(w, case) or baselines.primitive(w, case)
+    plain = baselines.primitive_units(w, case)
     calls = _kvmove_calls(w.kv, w.staging, token_pages, slots, case.direction, "torch")
     for fn in (*calls.values(), plain[0]):  # each writes the right bytes
         w.poison(case.direction, case.pages)
@@ -122,10 +124,10 @@ def _kvmove_calls(kv, staging, token_pages, slots, direction: str, backend: str)
             for tag, check in (("", True), (" unchecked", False))}
 
 
-def _record(case: Case, t: dict[str, float]) -> dict:
+def _record(case: Case, cache: str, t: dict[str, float]) -> dict:
     us = {name: seconds * 1e6 for name, seconds in t.items()}
     return {
-        "direction": case.direction, "row_bytes": case.row_bytes,
+        "direction": case.direction, "cache": cache, "row_bytes": case.row_bytes,
         "page_tokens": case.page_tokens, "pages": case.pages, "layers": case.layers,
         "bytes": case.nbytes, "kvmove_us": us["kvmove"],
         "kvmove_unchecked_us": us["kvmove unchecked"], "plain_us": us["plain"],
@@ -138,9 +140,10 @@ def run(args) -> dict:
     device = torch.device(args.device)
     timing = dict(repeat=args.repeat, batch_s=args.batch_ms / 1e3)
     cases = []
-    for page_tokens in args.page_tokens:
+    caches = ["stacked"] if device.type == "cuda" else args.caches
+    for cache, page_tokens in ((c, pt) for c in caches for pt in args.page_tokens):
         w = None if device.type == "cuda" else Workload(
-            args.row_bytes, page_tokens, max(args.pages), args.layers, device)
+            args.row_bytes, page_tokens, max(args.pages), args.layers, device, cache=cache)
         try:
             for pages in args.pages:
                 for direction in ("gather", "scatter"):
@@ -150,8 +153,8 @@ def run(args) -> dict:
                     else:
                         (calls, plain), close = _cpu_case(case, w), None
                     try:
-                        cases.append(_record(case, per_call({**calls, "plain": plain},
-                                                            device, **timing)))
+                        cases.append(_record(case, cache, per_call({**calls, "plain": plain},
+                                                                   device, **timing)))
                     finally:
                         if close is not None:
                             close()
@@ -167,18 +170,20 @@ def run(args) -> dict:
         "plain": "one launch of the kernel, arguments prepared" if device.type == "cuda"
         else "the torch primitive calls of the torch backend, made plainly",
         "calls": cases, "median_added_us": added,
-        "hot_path": bench_hot_path.run(args.repeat, device),
+        "hot_path": bench_hot_path.run(args.repeat, device,
+                                       tuple(caches) if device.type == "cpu" else ("stacked",)),
     }
 
 
 def report(result: dict, console: Console) -> None:
     table = Table(title=f"one call, back to back ({result['device']}, {result['layers']} layers,"
                         f" {result['row_bytes']}-byte rows): kvmove vs {result['plain']}")
-    for col in ("direction", "page tokens", "pages", "kvmove µs", "unchecked µs", "plain µs",
-                "added µs", "added unchecked µs"):
+    for col in ("direction", "cache", "page tokens", "pages", "kvmove µs", "unchecked µs",
+                "plain µs", "added µs", "added unchecked µs"):
         table.add_column(col, justify="right")
     for c in result["calls"]:
-        table.add_row(c["direction"], str(c["page_tokens"]), str(c["pages"]),
+        table.add_row(c["direction"], c.get("cache", "stacked"), str(c["page_tokens"]),
+                      str(c["pages"]),
                       *(f"{c[k]:.1f}" for k in ("kvmove_us", "kvmove_unchecked_us", "plain_us",
                                                 "added_us", "added_unchecked_us")))
     console.print(table)

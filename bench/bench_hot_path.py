@@ -1,4 +1,6 @@
-"""The hot path of an engine's decode step, as ratios measured in one run:
+"""The hot path of an engine's decode step, as ratios measured in one run, on a KV cache
+given as one stacked tensor and as per-layer tensors (SGLang's device pools: one allocation
+per layer):
 
 - one-page gather and scatter through the public API against the plain per-layer torch ops
   that move the same rows (``index_select`` / ``index_copy_``); target at most 1.5x;
@@ -15,21 +17,26 @@ Part of ``python -m bench.bench_calls``.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import kvmove
+from bench import results
 
 CPU = torch.device("cpu")
+CACHES = ("stacked", "per_layer")
 TARGETS = {"one_page_gather": 1.5, "one_page_scatter": 1.5, "prefetch_return_us": 100.0,
            "layerwise_over_whole": 1.2, "busy_gather_over_memmove_loop": 3.0}
 
@@ -57,12 +64,25 @@ def median_us(fns: dict[str, Callable[[], object]], *, repeat: int, calls: int,
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def one_page(repeat: int, device: torch.device = CPU) -> dict:
+def kv_cache(cache: str, layers: int, slots: int, row_bytes: int,
+             device: torch.device) -> kvmove.KVCache:
+    """A cache of random bytes: one stacked ``[layers, slots, row_bytes]`` tensor, or
+    ``layers`` tensors allocated one by one."""
+    if cache == "stacked":
+        return kvmove.KVCache({"kv": torch.randint(0, 256, (layers, slots, row_bytes),
+                                                   dtype=torch.uint8, device=device)})
+    if cache == "per_layer":
+        return kvmove.KVCache({"kv": [torch.randint(0, 256, (slots, row_bytes),
+                                                    dtype=torch.uint8, device=device)
+                                      for _ in range(layers)]})
+    raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+
+
+def one_page(repeat: int, device: torch.device = CPU, cache: str = "stacked") -> dict:
     """A one-page gather and scatter (8 layers, 16 tokens of 656 B) against the plain
     per-layer torch ops on the same rows (on a GPU: into the same pinned staging)."""
     layers, tokens, row_bytes, slot = 8, 16, 656, 5
-    kv = kvmove.KVCache({"kv": torch.randint(0, 256, (layers, 4096, row_bytes),
-                                             dtype=torch.uint8, device=device)})
+    kv = kv_cache(cache, layers, 4096, row_bytes, device)
     staging = kvmove.StagingBuffer(kv, num_slots=64, page_tokens=tokens)
     token_pages = (torch.arange(tokens, device=device) + 37 * tokens).reshape(1, tokens)
     slots = torch.tensor([slot])
@@ -95,20 +115,19 @@ def one_page(repeat: int, device: torch.device = CPU) -> dict:
         "plain scatter": plain_scatter,
     }, repeat=repeat, calls=200, device=device)
     staging.close()
-    return {"device": str(device), "layers": layers, "page_tokens": tokens,
+    return {"device": str(device), "cache": cache, "layers": layers, "page_tokens": tokens,
             "row_bytes": row_bytes, "us": us,
             "one_page_gather": us["gather"] / us["plain gather"],
             "one_page_scatter": us["scatter"] / us["plain scatter"]}
 
 
-def prefetches(store, repeat: int, device: torch.device = CPU) -> dict:
+def prefetches(store, repeat: int, device: torch.device = CPU, cache: str = "stacked") -> dict:
     """32 keys of one-token pages x 61 layers: how long ``prefetch`` takes to return, and a
     layer-wise prefetch to the end against a whole-cache one."""
     layers, keys_n, row_bytes = 61, 32, 656
-    kv = kvmove.KVCache({"kv": torch.randint(0, 256, (layers, 1024, row_bytes),
-                                             dtype=torch.uint8, device=device)})
+    kv = kv_cache(cache, layers, 1024, row_bytes, device)
     with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=64, key_prefix="hot") as mover:
-        keys = [f"hot-{os.getpid()}-{i}" for i in range(keys_n)]
+        keys = [f"hot-{os.getpid()}-{cache}-{i}" for i in range(keys_n)]
         assert mover.evict(keys, torch.arange(keys_n).reshape(-1, 1)).wait(60) == [
             kvmove.Status.OK] * keys_n
         dest = torch.arange(512, 512 + keys_n).reshape(-1, 1)
@@ -125,10 +144,16 @@ def prefetches(store, repeat: int, device: torch.device = CPU) -> dict:
                 returns.append(returned * 1e6)
                 (whole if mode == "whole" else layerwise).append(done * 1e6)
         mover.store.remove(mover.keyspace.store_keys(keys), force=True)
-    return {"device": str(device), "layers": layers, "keys": keys_n, "row_bytes": row_bytes,
-            "prefetch_return_us": statistics.median(returns),
+    return {"device": str(device), "cache": cache, "layers": layers, "keys": keys_n,
+            "row_bytes": row_bytes, "prefetch_return_us": statistics.median(returns),
+            "prefetch_return_spread": _spread(returns),
             "whole_us": statistics.median(whole), "layerwise_us": statistics.median(layerwise),
             "layerwise_over_whole": statistics.median(layerwise) / statistics.median(whole)}
+
+
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median of the samples: how noisy a figure is."""
+    return (max(samples) - min(samples)) / statistics.median(samples)
 
 
 def busy_gather(repeat: int) -> dict:
@@ -172,20 +197,30 @@ def busy_gather(repeat: int) -> dict:
             "busy_gather_over_memmove_loop": us["memmove loop"] / us["gather"]}
 
 
-def run(repeat: int, device: torch.device = CPU) -> dict:
-    """Every figure of the hot path on ``device`` (the busy-machine gather on the CPU only)."""
-    out = {"one_page": one_page(repeat, device)}
+def run(repeat: int, device: torch.device = CPU, caches: tuple[str, ...] = CACHES) -> dict:
+    """Every figure of the hot path on ``device``, for each way of giving the cache (the
+    busy-machine gather on the CPU only). Target names are ``"<cache>: <figure>"``."""
+    out: dict = {"one_page": {}, "prefetch": {}}
+    figures = {}
+    for cache in caches:
+        out["one_page"][cache] = one_page(repeat, device, cache)
+        figures.update({f"{cache}: {k}": out["one_page"][cache][k]
+                        for k in ("one_page_gather", "one_page_scatter")})
     with kvmove.MooncakeStore.embedded() as store:
-        out["prefetch"] = prefetches(store, repeat, device)
-    figures = {**{k: out["one_page"][k] for k in ("one_page_gather", "one_page_scatter")},
-               **{k: out["prefetch"][k] for k in ("prefetch_return_us", "layerwise_over_whole")}}
+        for cache in caches:
+            out["prefetch"][cache] = prefetches(store, repeat, device, cache)
+            figures.update({f"{cache}: {k}": out["prefetch"][cache][k]
+                            for k in ("prefetch_return_us", "layerwise_over_whole")})
     if device.type == "cpu":
         out["busy"] = busy_gather(repeat)
         figures["busy_gather_over_memmove_loop"] = out["busy"]["busy_gather_over_memmove_loop"]
     out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
-    out["targets"] = {k: {"value": v, "target": TARGETS[k],
-                          "met": v >= TARGETS[k] if k.startswith("busy") else v <= TARGETS[k]}
-                      for k, v in figures.items()}
+    out["targets"] = {}
+    for name, v in figures.items():
+        figure = name.split(": ")[-1]
+        target = TARGETS[figure]
+        out["targets"][name] = {"value": v, "target": target,
+                                "met": v >= target if figure.startswith("busy") else v <= target}
     return out
 
 
@@ -197,3 +232,22 @@ def report(result: dict, console: Console) -> None:
         table.add_row(name.replace("_", " "), f"{f['value']:.2f}", f"{f['target']:g}",
                       "yes" if f["met"] else "no")
     console.print(table)
+
+
+def main(argv=None) -> int:
+    """``python -m bench.bench_hot_path``: the hot-path figures alone, on the CPU (``--json
+    PATH`` also writes them)."""
+    p = argparse.ArgumentParser(prog="python -m bench.bench_hot_path",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    result = {"command": shlex.join(["python", "-m", "bench.bench_hot_path",
+                                     *(sys.argv[1:] if argv is None else argv)]),
+              **run(args.repeat, CPU, tuple(args.caches))}
+    return results.finish_suite(result, report, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

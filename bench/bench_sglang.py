@@ -1,13 +1,15 @@
 """Benchmark of kvmove's SGLang backend against SGLang's own Mooncake backend, on the same
 host pool pages, the real SGLang 0.5.23 classes and one embedded Mooncake master.
 
-1. Descriptor build: what each backend computes before a zero-copy put or get of K pages of
-   an MLA host pool (keys plus pointer and size lists): SGLang's ``_batch_preprocess``
+1. Descriptor build: what each backend computes from the page keys and host indices it is
+   handed before a zero-copy put or get of K pages of an MLA host pool (object keys plus
+   pointer and size lists): SGLang's ``_tag_keys`` and ``_batch_preprocess``
    (``get_page_buffer_meta``, a Python loop over (page, layer), then
-   ``_pack_multi_buffer_meta``) against kvmove's (``HostPool.describe``: numpy, one
+   ``_pack_multi_buffer_meta``), as its ``batch_get_v1`` / ``batch_set_v1`` call them,
+   against kvmove's (object keys in one pass, ``HostPool.describe``: numpy, one
    ``tolist()``). Default: 4096 one-token pages x 61 layers, layer_first and page_first.
    Target: >= 5x where there is per-(page, layer) work (layer_first: 61 spans per page);
-   with one span per page (page_first) neither builder loops over layers.
+   >= 1.0x with one span per page (page_first), where neither builder loops over layers.
 2. End to end: ``batch_set_v1`` of fresh pages, then ``batch_get_v1`` of them into another
    pool region, through each backend, interleaved. Target: >= 1.0x (kvmove's time / SGLang's
    time <= 1).
@@ -101,12 +103,11 @@ def bench_describe(args, layout: str) -> dict:
         ours.register_mem_pool_host(pool)
         keys = [uuid.uuid4().hex for _ in range(args.pages)]
         idx = torch.arange(args.pages, dtype=torch.int64)
-        tagged = sglang._tag_keys(keys)
 
-        def sglang_meta():
-            return sglang._batch_preprocess(tagged, idx)
+        def sglang_meta():  # what SGLang's batch_get_v1 / batch_set_v1 do before the store
+            return sglang._batch_preprocess(sglang._tag_keys(keys), idx)
 
-        def kvmove_meta():
+        def kvmove_meta():  # what kvmove's do
             return ours._describe(ours.kv, ours.keys.kv_objects(keys), idx)
 
         a, b = sglang_meta(), kvmove_meta()  # the same objects, span for span
@@ -114,7 +115,8 @@ def bench_describe(args, layout: str) -> dict:
         if a[0] != b.keys or flat != b.ptrs:
             raise AssertionError("kvmove and SGLang describe different objects")
         timing = measure({"sglang": sglang_meta, "kvmove": kvmove_meta},
-                         device=torch.device("cpu"), warmup=2, repeats=args.repeat)
+                         device=torch.device("cpu"), warmup=2, repeats=args.repeat,
+                         min_sample_s=0.02)
     finally:
         sglang.close()
         sglang.store.close()  # SGLang's close() leaves its Mooncake client open
@@ -179,6 +181,12 @@ def end_to_end_or_failure(args, layout: str, holder, pages: int, page_size: int)
                 "layers": args.layers, "failed": str(e)}
 
 
+def _describe_target(d: dict) -> float:
+    """At least 5x SGLang's time where it loops over (page, layer), never slower where it
+    does not (one span per page)."""
+    return 5.0 if d["spans_per_key"] > 1 else 1.0
+
+
 def _mark(ok: bool) -> str:
     return "[green]yes[/green]" if ok else "[red]NO[/red]"
 
@@ -188,13 +196,13 @@ def report(result: dict, console: Console) -> None:
     if rows:
         table = Table(title="descriptor build (keys + span lists) before a put/get, MLA pool")
         for col in ("layout", "pages x layers", "spans/key", "SGLang ms", "kvmove ms",
-                    "speedup", ">= 5x"):
+                    "speedup", "target met"):
             table.add_column(col, justify="right")
         for d in rows:
             table.add_row(d["layout"], f"{d['pages']} x {d['layers']}", str(d["spans_per_key"]),
                           f"{d['median_s']['sglang'] * 1e3:.1f}",
                           f"{d['median_s']['kvmove'] * 1e3:.1f}", f"{d['speedup']:.1f}x",
-                          _mark(d["speedup"] >= 5) if d["spans_per_key"] > 1 else "n/a")
+                          _mark(d["speedup"] >= _describe_target(d)))
         console.print(table)
     rows = result.get("end_to_end", [])
     if rows:

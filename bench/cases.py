@@ -12,6 +12,7 @@ ROW_BYTES = (132, 656, 1152, 4096)  # fp8 indexer + scale, DSA fp8 MLA, bf16 MLA
 PAGE_TOKENS = (1, 16, 64)
 PAGES = (256, 1024, 4096)
 DIRECTIONS = ("gather", "scatter")
+CACHES = ("stacked", "per_layer")  # one [L, rows, ...] tensor; L separately allocated layers
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,12 @@ class Settings:
     warmup: int
     repeats: int
     max_calls: int  # per timed run of a per-row / per-page loop baseline
+    min_sample_s: float = 0.0  # a sample of a shorter call is several calls back to back
     row_bytes: tuple[int, ...] = ROW_BYTES
     page_tokens: tuple[int, ...] = PAGE_TOKENS
     pages: tuple[int, ...] = PAGES
     directions: tuple[str, ...] = DIRECTIONS
+    caches: tuple[str, ...] = CACHES
     methods: tuple[str, ...] | None = None  # None: every method that runs on the device
     extra: dict = field(default_factory=dict)
 
@@ -55,15 +58,17 @@ class Settings:
                        pages=(256, 4096) if quick else PAGES)
         return cls(device=device, quick=quick, layers=4 if quick else 8,
                    max_bytes=(48 if quick else 256) << 20, warmup=1, repeats=5 if quick else 9,
-                   max_calls=20000, pages=(256, 4096) if quick else PAGES)
+                   max_calls=20000, min_sample_s=0.005 if quick else 0.02,
+                   pages=(256, 4096) if quick else PAGES)
 
     def to_json(self) -> dict:
         return {
             "device": str(self.device), "quick": self.quick, "layers": self.layers,
             "max_bytes": self.max_bytes, "warmup": self.warmup, "repeats": self.repeats,
-            "max_calls": self.max_calls, "row_bytes": list(self.row_bytes),
+            "max_calls": self.max_calls, "min_sample_s": self.min_sample_s,
+            "row_bytes": list(self.row_bytes),
             "page_tokens": list(self.page_tokens), "pages": list(self.pages),
-            "directions": list(self.directions),
+            "directions": list(self.directions), "caches": list(self.caches),
             "methods": None if self.methods is None else list(self.methods),
         }
 

@@ -59,9 +59,10 @@ def run_case(w: Workload, case: Case, methods: tuple[str, ...], settings: Settin
             built = baselines.build(name, w, case, max_calls=settings.max_calls)
             if built is not None:
                 fns[name], nbytes[name] = built
-    timings = measure(fns, device=w.device, warmup=settings.warmup, repeats=settings.repeats)
+    timings = measure(fns, device=w.device, warmup=settings.warmup, repeats=settings.repeats,
+                      min_sample_s=settings.min_sample_s)
     return {
-        "direction": case.direction, "row_bytes": case.row_bytes,
+        "direction": case.direction, "cache": w.cache, "row_bytes": case.row_bytes,
         "page_tokens": case.page_tokens, "pages": case.pages, "layers": case.layers,
         "bytes": case.nbytes,
         "methods": {
@@ -71,6 +72,7 @@ def run_case(w: Workload, case: Case, methods: tuple[str, ...], settings: Settin
                 "median_s": t.median,
                 "gbps": nbytes[name] / t.median / 1e9,
                 "spread": round(t.spread, 3),
+                "calls_per_sample": t.calls,
                 "samples_s": t.samples,
             }
             for name, t in timings.items()
@@ -89,9 +91,9 @@ def run_kernels(settings: Settings, progress: Callable[[str], None] = print,
     if settings.device.type != "cuda" and "triton" in methods:
         raise ValueError("the triton method needs a GPU (the interpreter is not a CPU path)")
     records = []
-    combos = grid(settings)
-    for i, (rb, pt, page_counts) in enumerate(combos, 1):
-        w = Workload(rb, pt, max(page_counts), settings.layers, settings.device)
+    combos = [(cache, *c) for cache in settings.caches for c in grid(settings)]
+    for i, (cache, rb, pt, page_counts) in enumerate(combos, 1):
+        w = Workload(rb, pt, max(page_counts), settings.layers, settings.device, cache=cache)
         try:
             for pages in page_counts:
                 for direction in settings.directions:
@@ -102,9 +104,9 @@ def run_kernels(settings: Settings, progress: Callable[[str], None] = print,
                         on_record(record)
                     figures = ", ".join(f"{n} {m['gbps']:.2f}"
                                         for n, m in record["methods"].items())
-                    progress(f"[{i}/{len(combos)}] {direction} {rb} B x {pt} tokens x {pages} "
-                             f"pages x {settings.layers} layers ({case.nbytes / 2**20:.1f} MiB):"
-                             f" {figures} GB/s")
+                    progress(f"[{i}/{len(combos)}] {cache} {direction} {rb} B x {pt} tokens x "
+                             f"{pages} pages x {settings.layers} layers "
+                             f"({case.nbytes / 2**20:.1f} MiB): {figures} GB/s")
         finally:
             w.close()
             del w

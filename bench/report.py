@@ -11,7 +11,16 @@ import sys
 from pathlib import Path
 
 from bench.results import load
-from bench.summary import LABELS, PRIMITIVE, fmt_ratio, headlines, largest_cases, methods_of, ratio
+from bench.summary import (
+    LABELS,
+    PRIMITIVE,
+    cache_of,
+    fmt_ratio,
+    headlines,
+    largest_cases,
+    methods_of,
+    ratio,
+)
 
 
 def _machine_line(m: dict) -> str:
@@ -37,12 +46,12 @@ def direction_table(records: list[dict], direction: str) -> list[str]:
     if not rs or not mine:
         return []
     primary = mine[0]
-    head = ["row B", "tokens", "pages", *(f"{LABELS[m]} GB/s" for m in mine),
+    head = ["cache", "row B", "tokens", "pages", *(f"{LABELS[m]} GB/s" for m in mine),
             *(f"{LABELS.get(b, b)} GB/s" for b in base),
             *(f"{LABELS[primary]} / {LABELS.get(b, b)}" for b in base)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rs:
-        row = [str(r["row_bytes"]), str(r["page_tokens"]), str(r["pages"])]
+        row = [cache_of(r), str(r["row_bytes"]), str(r["page_tokens"]), str(r["pages"])]
         row += [f"{r['methods'][m]['gbps']:.2f}" if m in r["methods"] else "-" for m in mine]
         row += [f"{r['methods'][b]['gbps']:.2f}" if b in r["methods"] else "-" for b in base]
         row += [fmt_ratio(ratio(r, primary, b)) for b in base]
@@ -66,9 +75,12 @@ def markdown(data: dict, source: str | None = None) -> str:
         out.append(f"The torch primitive is a plain per-layer `{PRIMITIVE['gather']}` of the "
                    f"token rows into the staging view (gather) or `{PRIMITIVE['scatter']}` "
                    "from it (scatter). The torch backend moves whole aligned pages in units "
-                   "of up to 16 KiB and copies in 16-byte words where aligned; \"primitive "
-                   "as called\" times exactly those calls, made plainly, so kvmove over it is "
-                   "its own cost. memcpy per page/row are `ctypes.memmove` loops.")
+                   "of up to 16 KiB, copies in 16-byte words where aligned and moves a run "
+                   "into a run with one memmove per layer; \"primitive as called\" times "
+                   "exactly those calls, made plainly, so kvmove over it is its own cost. "
+                   "memcpy per page/row are `ctypes.memmove` loops. Caches are given as one "
+                   "stacked tensor or as per-layer tensors (one allocation per layer, as "
+                   "SGLang's device pools).")
     else:
         out.append("memcpy per page/row are `cudaMemcpyAsync` loops to or from pinned host "
                    "memory; CPU rearrange is a bulk copy of the touched KV to pinned host "
@@ -144,9 +156,10 @@ def suite_section(name: str, suite: dict) -> list[str]:
     if "calls" in suite:
         out += [f"One call of a few pages, back to back ({suite['device']}, {suite['layers']} "
                 f"layers, {suite['row_bytes']}-byte rows), against {suite['plain']}:", "",
-                "| direction | page tokens | pages | kvmove µs | unchecked µs | plain µs |",
-                "|---|---:|---:|---:|---:|---:|"]
-        out += [f"| {c['direction']} | {c['page_tokens']} | {c['pages']} | {c['kvmove_us']:.0f} "
+                "| direction | cache | page tokens | pages | kvmove µs | unchecked µs | plain µs |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+        out += [f"| {c['direction']} | {c.get('cache', 'stacked')} | {c['page_tokens']} | "
+                f"{c['pages']} | {c['kvmove_us']:.0f} "
                 f"| {c['kvmove_unchecked_us']:.0f} | {c['plain_us']:.0f} |" for c in suite["calls"]]
         out += ["", *(f"- {what.replace('_', ' ')}: kvmove adds {us:.0f} µs per call (median)"
                       for what, us in suite["median_added_us"].items())]
@@ -154,7 +167,7 @@ def suite_section(name: str, suite: dict) -> list[str]:
         if hot:
             out += ["", "The hot path of a decode step (targets are goals, not test assertions):",
                     "", "| figure | value | target | met |", "|---|---:|---:|---|"]
-            out += [f"| {_HOT_NAMES.get(k, k)} | {f['value']:.2f} | {f['target']:g} | "
+            out += [f"| {_hot_name(k)} | {f['value']:.2f} | {f['target']:g} | "
                     f"{'yes' if f['met'] else 'no'} |" for k, f in hot["targets"].items()]
             if "busy" in hot:
                 b = hot["busy"]
@@ -233,6 +246,15 @@ _HOT_NAMES = {
     "layerwise_over_whole": "layer-wise / whole-cache prefetch, same keys (x)",
     "busy_gather_over_memmove_loop": "gather / per-row memmove loop, every core busy (x)",
 }
+
+
+
+def _hot_name(key: str) -> str:
+    """The words of a hot-path figure named ``"<cache>: <figure>"`` (or ``"<figure>"``)."""
+    cache, _, figure = key.rpartition(": ")
+    name = _HOT_NAMES.get(figure, figure)
+    return f"{cache.replace('_', '-')} cache: {name}" if cache else name
+
 
 BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
 # Baselines kvmove must not be slower than (a bulk copy of contiguous bytes is a ceiling,

@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 
 from bench import machine, results
-from bench.cases import DIRECTIONS, Settings
+from bench.cases import CACHES, DIRECTIONS, Settings
 from bench.kernels import run_kernels
 from bench.table import print_all
 
@@ -71,9 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-tokens", type=int, nargs="+", default=None)
     p.add_argument("--pages", type=int, nargs="+", default=None)
     p.add_argument("--direction", nargs="+", choices=DIRECTIONS, default=None)
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=None,
+                   help="how the KV cache is given: one stacked tensor, per-layer tensors")
     p.add_argument("--methods", nargs="+", default=None,
                    help="kvmove methods and baselines to time (default: all that apply)")
     p.add_argument("--max-mib", type=int, default=None, help="byte cap per side of a case")
+    p.add_argument("--min-sample-ms", type=float, default=None,
+                   help="a sample of a shorter call is several calls back to back, about "
+                        "this long (CPU default: 20 ms, 5 with --quick; 0: one call)")
     p.add_argument("--max-calls", type=int, default=None,
                    help="copies per timed run of the per-page/per-row memcpy loops")
     p.add_argument("--only", nargs="+", choices=["kernels", *SUITES], default=None,
@@ -97,11 +102,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
             setattr(s, field, value)
     for field, value in (("row_bytes", args.row_bytes), ("page_tokens", args.page_tokens),
                          ("pages", args.pages), ("directions", args.direction),
-                         ("methods", args.methods)):
+                         ("caches", args.caches), ("methods", args.methods)):
         if value is not None:
             setattr(s, field, tuple(value))
     if args.max_mib is not None:
         s.max_bytes = args.max_mib << 20
+    if args.min_sample_ms is not None:
+        s.min_sample_s = args.min_sample_ms / 1e3
     return s
 
 

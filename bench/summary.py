@@ -25,6 +25,16 @@ ORDER = ("triton", "torch", "two_hop", "torch-unchecked", "bulk", "primitive",
          "memcpy_row", "cpu_rearrange")
 
 
+def cache_of(record: dict) -> str:
+    """How the case's KV cache was given ("stacked" or "per_layer"; older results files
+    measured stacked caches only)."""
+    return record.get("cache", "stacked")
+
+
+def caches_of(records: list[dict]) -> list[str]:
+    return sorted({cache_of(r) for r in records}, key=lambda c: (c != "stacked", c))
+
+
 def methods_of(records: list[dict], kind: str) -> list[str]:
     """Method names of one kind ("kvmove" or "baseline") present in the records, in
     display order."""
@@ -40,10 +50,10 @@ def ratio(record: dict, method: str, baseline: str) -> float | None:
 
 
 def largest_cases(records: list[dict]) -> list[dict]:
-    """Per (direction, row bytes, page tokens), the record with the most pages."""
+    """Per (direction, cache, row bytes, page tokens), the record with the most pages."""
     best: dict[tuple, dict] = {}
     for r in records:
-        key = (r["direction"], r["row_bytes"], r["page_tokens"])
+        key = (r["direction"], cache_of(r), r["row_bytes"], r["page_tokens"])
         if key not in best or r["pages"] > best[key]["pages"]:
             best[key] = r
     return [best[k] for k in sorted(best)]
@@ -52,6 +62,7 @@ def largest_cases(records: list[dict]) -> list[dict]:
 @dataclass
 class RatioStats:
     direction: str
+    cache: str
     method: str
     baseline: str
     median: float
@@ -61,17 +72,19 @@ class RatioStats:
 
 
 def ratio_stats(records: list[dict]) -> list[RatioStats]:
-    """For each direction, kvmove method and baseline: the median, min and max ratio over
-    all cases."""
+    """For each direction, cache, kvmove method and baseline: the median, min and max
+    ratio over all cases."""
     out = []
     for direction in ("gather", "scatter"):
-        rs = [r for r in records if r["direction"] == direction]
-        for method in methods_of(rs, "kvmove"):
-            for baseline in methods_of(rs, "baseline"):
-                values = [v for r in rs if (v := ratio(r, method, baseline)) is not None]
-                if values:
-                    out.append(RatioStats(direction, method, baseline, statistics.median(values),
-                                          min(values), max(values), len(values)))
+        for cache in caches_of(records):
+            rs = [r for r in records if r["direction"] == direction and cache_of(r) == cache]
+            for method in methods_of(rs, "kvmove"):
+                for baseline in methods_of(rs, "baseline"):
+                    values = [v for r in rs if (v := ratio(r, method, baseline)) is not None]
+                    if values:
+                        out.append(RatioStats(direction, cache, method, baseline,
+                                              statistics.median(values), min(values),
+                                              max(values), len(values)))
     return out
 
 
@@ -98,6 +111,15 @@ def _ratios(records, direction, method, baseline, **where) -> list[float]:
             if (v := ratio(r, method, baseline)) is not None]
 
 
+def _worst(records, direction, cache, method, baseline) -> tuple[float, dict] | None:
+    """The lowest ratio of ``method`` over ``baseline`` among the cases of one direction and
+    cache, and its record; None where there is none."""
+    found = [(v, r) for r in records
+             if r["direction"] == direction and cache_of(r) == cache
+             if (v := ratio(r, method, baseline)) is not None]
+    return min(found, key=lambda x: x[0]) if found else None
+
+
 def _as_called(record: dict) -> str | None:
     """The baseline of the primitive calls torch makes in this case: on units where it moves
     whole pages (and widened scatters), else the plain rows one."""
@@ -121,6 +143,15 @@ def headlines(data: dict) -> list[Headline]:
             out.append(Headline(f"torch {d} vs a plain per-layer {PRIMITIVE[d]} of the rows "
                                 f"(median of {len(v)} cases, {min(v, default=0):.2f}-"
                                 f"{max(v, default=0):.2f}x)", _median(v), 0.9))
+        for cache in caches_of(records):
+            for d in ("gather", "scatter"):
+                worst = _worst(records, d, cache, "torch", "primitive")
+                if worst is not None:
+                    v, r = worst
+                    out.append(Headline(f"torch {d} vs a plain per-layer {PRIMITIVE[d]}, the "
+                                        f"worst case on {cache.replace('_', '-')} caches "
+                                        f"({r['row_bytes']} B x {r['page_tokens']} tokens x "
+                                        f"{r['pages']} pages)", v, 1.0))
         for d in ("gather", "scatter"):
             rs = [r for r in records if r["direction"] == d]
             v = _own_cost(rs)

@@ -6,21 +6,29 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from bench.summary import LABELS, fmt_ratio, headlines, methods_of, ratio, ratio_stats
+from bench.summary import (
+    LABELS,
+    cache_of,
+    fmt_ratio,
+    headlines,
+    methods_of,
+    ratio,
+    ratio_stats,
+)
 
 
 def kernel_table(records: list[dict], direction: str, title: str) -> Table:
     rs = [r for r in records if r["direction"] == direction]
     base = methods_of(rs, "baseline")
     table = Table(title=title, title_justify="left")
-    for col in ("row B", "tokens", "pages", "MiB", "method", "GB/s"):
+    for col in ("cache", "row B", "tokens", "pages", "MiB", "method", "GB/s"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for b in base:
         table.add_column(f"vs {LABELS.get(b, b)}\n(its GB/s)", justify="right")
     for r in rs:
         for i, m in enumerate(methods_of([r], "kvmove")):
-            cells = [str(r["row_bytes"]), str(r["page_tokens"]), str(r["pages"]),
-                     f"{r['bytes'] / 2**20:.1f}"] if i == 0 else ["", "", "", ""]
+            cells = [cache_of(r), str(r["row_bytes"]), str(r["page_tokens"]), str(r["pages"]),
+                     f"{r['bytes'] / 2**20:.1f}"] if i == 0 else ["", "", "", "", ""]
             cells += [LABELS.get(m, m), f"{r['methods'][m]['gbps']:.2f}"]
             for b in base:
                 v = ratio(r, m, b)
@@ -33,11 +41,11 @@ def kernel_table(records: list[dict], direction: str, title: str) -> Table:
 def summary_table(records: list[dict]) -> Table:
     table = Table(title="ratios over all cases (kvmove GB/s / baseline GB/s)",
                   title_justify="left")
-    for col in ("direction", "method", "against", "median", "min", "max", "cases"):
+    for col in ("direction", "cache", "method", "against", "median", "min", "max", "cases"):
         table.add_column(col, justify="right" if col in ("median", "min", "max", "cases")
                          else "left")
     for s in ratio_stats(records):
-        table.add_row(s.direction, LABELS.get(s.method, s.method),
+        table.add_row(s.direction, s.cache, LABELS.get(s.method, s.method),
                       LABELS.get(s.baseline, s.baseline), fmt_ratio(s.median),
                       fmt_ratio(s.low), fmt_ratio(s.high), str(s.cases))
     return table

@@ -2,7 +2,10 @@
 events on a GPU, the monotonic clock on the CPU.
 
 Methods of one case are timed round-robin (the order rotating each repeat), so a change in
-the machine's load during the run hits every method alike and the ratios stay fair.
+the machine's load during the run hits every method alike and the ratios stay fair. A
+sample of a short call is several calls back to back (about ``min_sample_s`` long): one
+call of a few hundred microseconds measures the machine's other work (a preemption, an
+OpenMP straggler) more than the call.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 
 @dataclass
 class Timing:
-    samples: list[float]  # seconds, one per repeat
+    samples: list[float]  # seconds per call, one per repeat
+    calls: int = 1  # calls per sample
 
     @property
     def median(self) -> float:
@@ -29,35 +33,45 @@ class Timing:
         return (max(self.samples) - min(self.samples)) / self.median if self.median else 0.0
 
 
-def time_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds one call of ``fn`` takes, its device work included."""
+def time_once(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
+    """Seconds one call of ``fn`` takes (the mean of ``calls`` back to back), its device
+    work included."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an idle device: the events see the host's prologue
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3 / calls
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
 
 
 def measure(fns: dict[str, Callable[[], object]], *, device: torch.device, warmup: int,
-            repeats: int) -> dict[str, Timing]:
+            repeats: int, min_sample_s: float = 0.0, max_calls: int = 1000
+            ) -> dict[str, Timing]:
     """Warm every function up ``warmup`` times, then time each ``repeats`` times,
-    interleaved. Returns a :class:`Timing` per name."""
+    interleaved; a sample is as many calls back to back (at most ``max_calls``) as make
+    about ``min_sample_s`` seconds, the same count for every function of the case (the
+    slowest one's). Returns a :class:`Timing` per name."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    calls = 1
+    if min_sample_s > 0 and names:
+        slowest = max(time_once(fns[name], device) for name in names)
+        calls = max(1, min(max_calls, int(min_sample_s / max(slowest, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         k = r % len(names) if names else 0
         for name in names[k:] + names[:k]:
-            samples[name].append(time_once(fns[name], device))
-    return {name: Timing(s) for name, s in samples.items()}
+            samples[name].append(time_once(fns[name], device, calls))
+    return {name: Timing(s, calls) for name, s in samples.items()}

@@ -44,12 +44,24 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
         raise TypeError(f"{name} must be int32 or int64, got dtype {value.dtype}")
     if value.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(value.shape)}")
-    if value.device.type != "cpu" and value.device != device:
+    if not value.is_cpu and value.device != device:
         raise ValueError(
             f"{name} is on {value.device}; indices must be on the CPU"
             + (f" or {device}" if device is not None and device.type != "cpu" else "")
         )
     return value
+
+
+def check_same_geometry(src_shape: dict, dst_shape: dict, src_kind: str, dst_kind: str
+                        ) -> None:
+    """Two row pools that rows are copied between name the same buffers with the same
+    layers and row bytes (``shape``: buffer -> (layers, row bytes)); else ``ValueError``
+    showing both."""
+    if src_shape != dst_shape:
+        raise ValueError(
+            f"source and destination differ in geometry (buffer: (layers, row bytes)): "
+            f"{src_kind} {src_shape} vs {dst_kind} {dst_shape}"
+        )
 
 
 def _values(rows: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -104,6 +116,8 @@ def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
 
 def as_int_array(value, name: str) -> np.ndarray:
     """``value`` (tensor, array or sequence of ints) as a 1-D int64 numpy array."""
+    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+        return value  # already one (page numbers worked out by kvmove, say)
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{name} must hold integers, got a tensor of {value.dtype}")
@@ -111,7 +125,9 @@ def as_int_array(value, name: str) -> np.ndarray:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
         if value.is_meta:
             raise TypeError(f"{name} must be a tensor with data, got a meta tensor")
-        return value.detach().cpu().numpy().astype(np.int64, copy=False)
+        if not value.is_cpu or value.requires_grad:
+            value = value.detach().cpu()
+        return value.numpy().astype(np.int64, copy=False)
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must hold integers, got {type(value).__name__} {value!r}")
     try:
@@ -157,10 +173,13 @@ def check_keys(keys: Sequence[str], name: str = "keys", *, unique: bool = True) 
             + (" (wrap a single key in a list)" if isinstance(keys, str) else "")
         )
     keys = list(keys)
-    if set(map(type, keys)) - {str}:
+    try:
+        "".join(keys)  # one pass in C, which stops at the first item that is not a str
+    except TypeError:
         for i, k in enumerate(keys):
             if not isinstance(k, str):
-                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}")
+                raise TypeError(f"{name}[{i}] must be a str, got {type(k).__name__} {k!r}") \
+                    from None
     distinct = set(keys)
     if "" in distinct:
         raise ValueError(f"{name}[{keys.index('')}] is an empty string; keys must be non-empty")
@@ -177,14 +196,13 @@ def check_slots(slots, n: int, num_slots: int) -> np.ndarray:
     arr = as_int_array(slots, "slots")
     if arr.size != n:
         raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
-    if n:
+    if n and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
         bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
-        if bad.size:
-            i = int(bad[0])
-            raise IndexError(
-                f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
-                f"({bad.size} slot(s) out of range)"
-            )
+        i = int(bad[0])
+        raise IndexError(
+            f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
+            f"({bad.size} slot(s) out of range)"
+        )
     return arr
 
 
@@ -229,16 +247,18 @@ def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str) -> 
     if idx.size % p:
         raise ValueError(f"{name} has {idx.size} entries, not a whole number of pages of "
                          f"{p} tokens")
-    first = idx[::p]
-    bad = np.flatnonzero(first % p)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i * p}] = {int(first[i])} does not start a page of {p} "
-                         "tokens")
-    pages = first // p
-    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
-    if out.size:
-        i = int(out[0])
+    if p == 1:  # every index starts a page: it is its page
+        pages = first = idx.copy()  # (not a view of the caller's tensor)
+    else:
+        first = idx[::p]
+        bad = np.flatnonzero(first % p)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i * p}] = {int(first[i])} does not start a page of "
+                             f"{p} tokens")
+        pages = first // p
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        i = int(np.flatnonzero((pages < 0) | (pages >= num_pages))[0])
         raise IndexError(f"{name}[{i * p}] = {int(first[i])} is page {int(pages[i])}, "
                          f"outside the pool's {num_pages} pages")
     return pages
@@ -251,10 +271,11 @@ def small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
     if rows.size > SMALL_ROWS:
         return False
     flat = rows.ravel().tolist()
-    if min(flat) < -1 or max(flat) >= limit:
+    low = min(flat)
+    if low < -1 or max(flat) >= limit:
         return False
     if unique:
-        kept = [r for r in flat if r >= 0]
+        kept = flat if low >= 0 else [r for r in flat if r >= 0]
         return len(set(kept)) == len(kept)
     return True
 

@@ -214,7 +214,10 @@ class _Columns:
         pitches = np.unique(self.slot_pitch)
         self.uniform_pitch = int(pitches[0]) if pitches.size == 1 else None
         self.where: tuple[int, ...] = ()
+        # The memory regions the spans live in (to register them), as the staging says.
+        self.regions = tuple(staging.regions()) if hasattr(staging, "regions") else ()
         self._starts: dict[int, np.ndarray | None] = {}
+        self._sizes: dict[int, list[int]] = {}
 
     def addresses(self, slot_ids: np.ndarray) -> np.ndarray:
         """int64 ``[n, spans]``: the address of every span of the pages in ``slot_ids``."""
@@ -237,6 +240,16 @@ class _Columns:
                 np.flatnonzero(np.concatenate(([True], ~touch))) if touch.any() else None
             )
         return self._starts[valid_tokens]
+
+    def sizes(self, valid_tokens: int) -> list[int]:
+        """The span sizes of a key with ``valid_tokens``, merged spans merged (one list for
+        every such key: read-only)."""
+        sizes = self._sizes.get(valid_tokens)
+        if sizes is None:
+            size, start = valid_tokens * self.row_bytes, self.starts(valid_tokens)
+            sizes = (size if start is None else np.add.reduceat(size, start)).tolist()
+            self._sizes[valid_tokens] = sizes
+        return sizes
 
 
 _COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -277,59 +290,54 @@ def describe(staging, slots, keys: Sequence[str], *, valid_tokens=None) -> Descr
     keys = check_keys(keys)
     n = len(keys)
     slot_ids = check_slots(slots, n, staging.num_slots)
-    vt = check_valid_tokens(valid_tokens, n, staging.page_tokens)
+    vt = (staging.page_tokens if valid_tokens is None
+          else check_valid_tokens(valid_tokens, n, staging.page_tokens))
     return describe_trusted(staging, slot_ids, keys, vt)
 
 
 def describe_trusted(staging, slot_ids: np.ndarray, keys: list[str],
-                     vt: np.ndarray) -> Descriptors:
-    """:func:`describe` of arguments already validated: ``slot_ids`` and ``vt``
-    (``valid_tokens``) int64 ``[n]`` in range, ``keys`` a list of distinct non-empty str.
-    For callers that validated once at their own entry (the mover)."""
+                     vt: np.ndarray | int) -> Descriptors:
+    """:func:`describe` of arguments already validated: ``slot_ids`` int64 ``[n]`` in range,
+    ``vt`` (``valid_tokens``) one int for every key or int64 ``[n]``, each in range, ``keys``
+    a list of distinct non-empty str. For callers that validated once at their own entry
+    (the mover)."""
     n = len(keys)
-    regions = tuple(staging.regions()) if hasattr(staging, "regions") else ()
     if n == 0:
+        regions = tuple(staging.regions()) if hasattr(staging, "regions") else ()
         return Descriptors._trusted([], [], [], np.zeros(0, dtype=np.int64), regions, staging)
     cols = _columns(staging)
+    regions = cols.regions
+    if not isinstance(vt, np.ndarray) or vt.min() == vt.max():
+        # One page length for every key (the common case): one sizes list for all.
+        v = int(vt) if not isinstance(vt, np.ndarray) else int(vt[0])
+        start = cols.starts(v)
+        ptrs = cols.addresses(slot_ids)
+        ptr_lists = (ptrs if start is None else ptrs[:, start]).tolist()
+        nbytes = np.full(n, v * cols.bytes_per_token, dtype=np.int64)
+        return Descriptors._trusted(keys, ptr_lists, [cols.sizes(v)] * n, nbytes, regions,
+                                    staging)
     nbytes = vt * cols.bytes_per_token
-
-    if vt.min() == vt.max():  # one page length for all keys: the common case
-        values, group_of = vt[:1], None
-    else:
-        values, group_of = np.unique(vt, return_inverse=True)
+    values, group_of = np.unique(vt, return_inverse=True)  # a few distinct page lengths
     starts = [cols.starts(int(v)) for v in values]
-    ptrs = cols.addresses(slot_ids)
-
-    if all(s is None for s in starts):
-        size_rows = [(int(v) * cols.row_bytes).tolist() for v in values]
-        ptr_lists = ptrs.tolist()
-    else:
-        size_rows, ptr_lists = _merged(ptrs, values, group_of, starts, cols)
+    ptr_lists = _spans_by_group(cols.addresses(slot_ids), group_of, starts)
     # Keys of one page length share one sizes list (read-only): copying it per key would
     # cost a third of the whole build.
-    if group_of is None:
-        sizes = [size_rows[0]] * n
-    else:
-        sizes = list(map(size_rows.__getitem__, group_of.tolist()))
+    size_rows = [cols.sizes(int(v)) for v in values]
+    sizes = list(map(size_rows.__getitem__, group_of.tolist()))
     return Descriptors._trusted(keys, ptr_lists, sizes, nbytes, regions, staging)
 
 
-def _merged(ptrs: np.ndarray, values, group_of, starts, cols: _Columns):
-    """Span lists where some spans touch: per distinct ``valid_tokens`` the merged columns
-    (one ``tolist()`` per group; groups are few, one per distinct page length)."""
-    n = ptrs.shape[0]
-    size_rows, ptr_lists = [], [None] * n
-    for g, (v, start) in enumerate(zip(values, starts, strict=True)):
-        size = int(v) * cols.row_bytes
-        if start is None:
-            start = np.arange(size.size)
-        size_rows.append(np.add.reduceat(size, start).tolist())
-        if group_of is None:
-            return size_rows, ptrs[:, start].tolist()
+def _spans_by_group(ptrs: np.ndarray, group_of: np.ndarray, starts) -> list[list[int]]:
+    """Each key's span addresses, where keys have different page lengths: per distinct page
+    length (group) its columns, merged where its spans touch (one ``tolist()`` per group;
+    groups are few)."""
+    ptr_lists: list = [None] * ptrs.shape[0]
+    for g, start in enumerate(starts):
         members = np.flatnonzero(group_of == g)
-        for i, row in zip(members.tolist(), ptrs[members][:, start].tolist(), strict=True):
+        rows = ptrs[members] if start is None else ptrs[members][:, start]
+        for i, row in zip(members.tolist(), rows.tolist(), strict=True):
             ptr_lists[i] = row
-    return size_rows, ptr_lists
+    return ptr_lists
 
 
 def concat(parts: Sequence[Descriptors]) -> Descriptors:

@@ -347,7 +347,7 @@ class KVMover:
                 out = ((host < -1) | (host >= limit)).any(axis=1)
                 bad = out if out.any() else None
         ordered = None
-        if self.device.type == "cuda":
+        if self._evict_stream is not None:  # on CUDA
             caller = torch.cuda.current_stream(self.device)
             ordered = torch.cuda.Event()
             ordered.record(caller)

@@ -26,7 +26,9 @@ def test_run_all_writes_results_plot_and_report(tmp_path, capsys):
     [path] = tmp_path.glob("cpu-*.json")
     data = load(path)
     assert path.with_suffix(".png").stat().st_size > 0
-    assert len(data["kernels"]) == 2 * 2 * 2  # row sizes x page sizes x directions
+    # caches x row sizes x page sizes x directions
+    assert len(data["kernels"]) == 2 * 2 * 2 * 2
+    assert {r["cache"] for r in data["kernels"]} == {"stacked", "per_layer"}
     for r in data["kernels"]:
         assert {"torch", "two_hop", "bulk", "primitive", "memcpy_page", "memcpy_row"} <= set(
             r["methods"])
@@ -36,6 +38,7 @@ def test_run_all_writes_results_plot_and_report(tmp_path, capsys):
     md = report.markdown(data, source=str(path))
     assert data["machine"]["title"] in md and "| row B |" in md
     assert "torch gather vs a plain per-layer index_select" in md
+    assert "the worst case on per-layer caches" in md and "| per_layer | 656 |" in md
     out = capsys.readouterr().out
     assert "vs bulk copy" in out and "results:" in out
 
@@ -73,6 +76,13 @@ def test_headlines_and_ratios_come_from_the_records():
     assert abs(own.value - (9.0 / 9.5 + 0.8) / 2) < 1e-9
     assert abs(heads["torch gather vs memcpy per row, 656-byte rows"].value - 13.0) < 1e-9
     assert heads["torch gather vs bulk copy, 656-byte rows"].target is None  # a fact
+    # The worst case of each direction and cache names its shape (records without a cache
+    # field are of stacked caches).
+    worst = heads["torch gather vs a plain per-layer index_select, the worst case on stacked "
+                  "caches"]
+    assert abs(worst.value - 0.8) < 1e-9 and worst.met is False
+    assert "656 B x 64 tokens x 1024 pages" in next(
+        h.text for h in summary.headlines(data) if h.value == worst.value)
     [largest] = [r for r in summary.largest_cases(data["kernels"])
                  if r["direction"] == "gather"]
     assert largest["pages"] == 1024
@@ -118,8 +128,13 @@ def test_per_call_baselines_copy_the_right_bytes():
                 fn()
                 w.check(direction, pages)
                 assert nbytes == case.nbytes
-    assert baselines.build("primitive_units", w, Case("gather", 132, 1, 8, 2),
-                           max_calls=10) is None  # one-token pages: the plain primitive
+    w1 = Workload(132, 1, 8, 2, torch.device("cpu"), cache="per_layer")
+    for direction in ("gather", "scatter"):  # one-token pages: rows in wide elements
+        case = Case(direction, 132, 1, 8, 2)
+        w1.poison(direction, 8)
+        fn, _ = baselines.build("primitive_units", w1, case, max_calls=10)
+        fn()
+        w1.check(direction, 8)
 
 
 def test_gpu_check_script_parses_and_refuses_without_a_gpu(tmp_path):
@@ -193,14 +208,18 @@ def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
                              "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("python -m bench.bench_calls --device cpu --layers 2")
-    assert len(result["calls"]) == 2 * 2 * 2  # page sizes x page counts x directions
+    assert len(result["calls"]) == 2 * 2 * 2 * 2  # caches x page sizes x counts x directions
+    assert {c["cache"] for c in result["calls"]} == {"stacked", "per_layer"}
+    assert {k.split(": ")[0] for k in result["hot_path"]["targets"]} >= {"stacked",
+                                                                        "per_layer"}
     for c in result["calls"]:
         assert c["kvmove_us"] > 0 and c["plain_us"] > 0
         assert abs(c["added_us"] - (c["kvmove_us"] - c["plain_us"])) < 1e-6
     assert set(result["median_added_us"]) == {"gather", "gather_unchecked", "scatter",
                                               "scatter_unchecked"}
     md = "\n".join(report.suite_section("calls", result))
-    assert "| gather | 4 | 3 |" in md and "kvmove adds" in md
+    assert "| gather | per_layer | 4 | 3 |" in md and "kvmove adds" in md
+    assert "per-layer cache: one-page gather" in md
 
 
 def test_a_suite_runs_in_a_process_of_its_own(monkeypatch):
@@ -210,7 +229,7 @@ def test_a_suite_runs_in_a_process_of_its_own(monkeypatch):
 
     monkeypatch.setitem(run_all.SUITES, "calls", (
         "bench.bench_calls", ["--layers", "2", "--pages", "1", "--page-tokens", "1",
-                              "--repeat", "1", "--batch-ms", "1"], []))
+                              "--repeat", "1", "--batch-ms", "1", "--caches", "stacked"], []))
     result = run_all.run_suite("calls", True, Console())
     assert len(result["calls"]) == 2 and result["seconds"] > 0
     assert "--layers 2" in result["command"]

@@ -8,6 +8,7 @@ pool whose rows are ``slot * page_tokens + t``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import OrderedDict
@@ -47,6 +48,24 @@ class BufferRows:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @functools.cached_property
+    def dense(self) -> bool:
+        """Whether rows follow each other without padding (pitch == row bytes): then a run
+        of rows is one contiguous span in each layer."""
+        return self.pitch == self.row_bytes
+
+    @functools.cached_property
+    def on_host(self) -> bool:
+        """Whether the rows live in host memory (the CPU's view of them)."""
+        return self.device.type == "cpu"
+
+    @functools.cached_property
+    def host_bases(self) -> tuple[int, ...]:
+        """The host address of each layer's first row (a buffer in host memory)."""
+        if not self.on_host:
+            raise ValueError(f"buffer {self.name!r} lives on {self.device}, not on the host")
+        return tuple(t.data_ptr() for t in self.layers)
 
     def address_table(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """int64 tensor of the device addresses of ``layers``, on ``device`` (cached)."""

@@ -23,7 +23,7 @@ from kvmove.memory.row_pool import RowPool
 from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.plan import RowPlan, plan_whole_pages
-from kvmove.rows.prepared import PreparedCopy, kernel_device, prepared_copy
+from kvmove.rows.prepared import PreparedCopy, prepared_copy
 from kvmove.rows.row_numbers import page_rows
 
 Pool = KVCache | StagingBuffer
@@ -35,14 +35,6 @@ def _row_pool(value, name: str) -> RowPool:
             f"{name} must be a kvmove.KVCache or kvmove.StagingBuffer, got {type(value)}"
         )
     return value.row_pool
-
-
-def _check_geometry(src: RowPool, dst: RowPool) -> None:
-    if src.shape != dst.shape:
-        raise ValueError(
-            f"source and destination differ in geometry (buffer: (layers, row bytes)): "
-            f"{src.kind} {src.shape} vs {dst.kind} {dst.shape}"
-        )
 
 
 def error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -78,14 +70,12 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
     staging slots, ``-1`` skips. ``check=True`` runs the checks of :func:`check_pages`
     (as part of the planning: a plan of whole pages has every row in range already). On
     the CPU with the torch backend, pages that are all whole move without row lists."""
-    gathering = prepared.direction == "gather"
-    kv_rows, staging_rows = ((prepared.src_rows_limit, prepared.dst_rows_limit) if gathering
-                             else (prepared.dst_rows_limit, prepared.src_rows_limit))
-    num_slots = staging_rows // prepared.page_tokens
-    if prepared.torch_only and token_pages.device.type == "cpu":
+    gathering = prepared.gathering
+    kv_rows, num_slots = prepared.kv_rows, prepared.staging_slots
+    if prepared.torch_only and token_pages.is_cpu:
         plan = plan_whole_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
         if plan is not None:  # every row in range: only the destinations' uniqueness is left
-            if check:
+            if check and token_pages.shape[0] > 1:
                 check_unique(plan.pages[1], "slots" if gathering else "token_pages",
                              page_tokens=1 if gathering else prepared.page_tokens)
             return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan
@@ -142,19 +132,18 @@ def copy_rows(
     ``check=True`` also refuses a row that is both read and written.
     """
     sp, dp = _row_pool(src, "src"), _row_pool(dst, "dst")
-    device = kernel_device(sp, dp)
+    staging = next((p for p in (src, dst) if isinstance(p, StagingBuffer)), None)
+    prepared = prepared_copy(  # checks the pools' geometry when it is made
+        sp, dp, layers, backend=backend,
+        direction="gather" if isinstance(dst, StagingBuffer) else "scatter",
+        page_tokens=staging.page_tokens if staging is not None else 1)
+    device = prepared.device
     src_rows = as_index_tensor(src_rows, "src_rows", dim=1, device=device)
     dst_rows = as_index_tensor(dst_rows, "dst_rows", dim=1, device=device)
     if src_rows.numel() != dst_rows.numel():
         raise ValueError(
             f"src_rows has {src_rows.numel()} rows but dst_rows has {dst_rows.numel()}"
         )
-    _check_geometry(sp, dp)
-    staging = next((p for p in (src, dst) if isinstance(p, StagingBuffer)), None)
-    prepared = prepared_copy(
-        sp, dp, layers, backend=backend,
-        direction="gather" if isinstance(dst, StagingBuffer) else "scatter",
-        page_tokens=staging.page_tokens if staging is not None else 1)
     errors = error_counter(errors, device)
     if check and not (src_rows.is_cuda or dst_rows.is_cuda):
         check_range(src_rows, prepared.src_rows_limit, "src_rows")
@@ -166,24 +155,28 @@ def copy_rows(
     return errors
 
 
-def _page_args(kv, staging, token_pages, slots):
+def _check_pools(kv, staging) -> None:
     if not isinstance(kv, KVCache):
         raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
     if not isinstance(staging, StagingBuffer):
         raise TypeError(f"staging must be a kvmove.StagingBuffer, got {type(staging).__name__}")
-    device = kernel_device(kv.row_pool, staging.row_pool)
+
+
+def _page_indices(prepared: PreparedCopy, token_pages, slots):
+    """``token_pages`` ``[n, page_tokens]`` and ``slots`` ``[n]`` of a gather or scatter,
+    checked (type, shape, device)."""
+    device = prepared.device
     token_pages = as_index_tensor(token_pages, "token_pages", dim=2, device=device)
     slots = as_index_tensor(slots, "slots", dim=1, device=device)
     n, p = token_pages.shape
-    if n and p != staging.page_tokens:
+    if n and p != prepared.page_tokens:
         raise ValueError(
             f"token_pages has {p} tokens per page but the staging has page_tokens="
-            f"{staging.page_tokens}"
+            f"{prepared.page_tokens}"
         )
-    if slots.numel() != n:
+    if slots.shape[0] != n:
         raise ValueError(f"token_pages has {n} pages but slots has {slots.numel()} entries")
-    _check_geometry(kv.row_pool, staging.row_pool)
-    return token_pages, slots, device
+    return token_pages, slots
 
 
 def check_pages(token_pages: torch.Tensor, slots: torch.Tensor, kv_slots: int,
@@ -217,10 +210,11 @@ def gather(
     staging row is left as it was). ``slots``: ``[n]`` staging slots (``-1`` skips a page).
     Returns the int32 ``[1]`` error counter (see :func:`copy_rows`).
     """
-    token_pages, slots, device = _page_args(kv, staging, token_pages, slots)
+    _check_pools(kv, staging)
     prepared = prepared_copy(kv.row_pool, staging.row_pool, backend=backend,
                              direction="gather", page_tokens=staging.page_tokens)
-    errors = error_counter(errors, device)
+    token_pages, slots = _page_indices(prepared, token_pages, slots)
+    errors = error_counter(errors, prepared.device)
     copy_pages(prepared, token_pages, slots, errors, check=check)
     return errors
 
@@ -242,9 +236,10 @@ def scatter(
     ``slots``: ``[n]`` staging slots; ``token_pages``: int32/int64 ``[n, page_tokens]`` KV
     token slots, ``-1`` = padding (that KV row is left untouched). Returns the error counter.
     """
-    token_pages, slots, device = _page_args(kv, staging, token_pages, slots)
+    _check_pools(kv, staging)
     prepared = prepared_copy(staging.row_pool, kv.row_pool, layers, backend=backend,
                              direction="scatter", page_tokens=staging.page_tokens)
-    errors = error_counter(errors, device)
+    token_pages, slots = _page_indices(prepared, token_pages, slots)
+    errors = error_counter(errors, prepared.device)
     copy_pages(prepared, token_pages, slots, errors, check=check)
     return errors

@@ -1,12 +1,14 @@
-"""The plan of one row copy for the torch backend, worked out once per call in numpy for
-every buffer and layer: which rows to copy (skips and out-of-range rows dropped, and
-counted), which of them form whole pages that can move as units larger than a row, and
-where either side is one run of consecutive rows (a memcpy per unit into a run).
+"""The plan of one row copy for the torch backend, worked out once per call for every
+buffer and layer (and, in a layer-wise copy, every layer): which rows to copy (skips and
+out-of-range rows dropped, and counted), which of them form whole pages that can move as
+units larger than a row, and where either side is one run of consecutive rows (a memcpy
+per unit into a run).
 
 A whole page is ``page_tokens`` rows that are the aligned run ``p * page_tokens ..`` on both
-sides. :func:`plan_rows` finds them in row lists; :func:`plan_whole_pages` builds the plan
-of a gather or scatter straight from its pages when every page is whole (a paged KV
-cache), without row lists.
+sides. :func:`plan_rows` finds them in row lists (numpy); :func:`plan_whole_pages` builds
+the plan of a gather or scatter straight from its pages when every page is whole (a paged
+KV cache), without row lists: in numpy, or for a few pages in Python lists, which know
+their runs and never become arrays where the copy moves runs (a page into a slot).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import functools
 import numpy as np
 import torch
 
-from kvmove.checks import SMALL_ROWS  # up to this many rows, Python lists cost less
-
+# Up to this many rows, a plan of whole pages is worked out in Python lists: a dozen numpy
+# calls cost more than the lists below it (measured: 0.4-0.6x at 4-16 rows, even at 64,
+# 2.5-3x at 256).
+SMALL_PLAN_ROWS = 64
 # Pages move in units of at most this many bytes: torch's CPU index_select leaves its
 # memcpy path at 32 KiB slices (2 GB/s instead of 8), and index_copy_ peaks near 16 KiB.
 UNIT_BYTES = 16 << 10
@@ -42,58 +46,89 @@ def _run_start(rows: np.ndarray) -> int | None:
 
 
 class Part:
-    """One set of ``src[i] -> dst[i]`` copies in a unit (a row, or several rows)."""
+    """One set of ``src[i] -> dst[i]`` copies in a unit (a row, or several rows). Each side's
+    unit numbers are an int64 numpy array, or a list made one on first use (a plan of a few
+    pages that copies runs never needs them)."""
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray,
+    __slots__ = ("_runs", "_sides", "_tensors", "count", "moves")
+
+    def __init__(self, src: np.ndarray | list[int], dst: np.ndarray | list[int],
                  runs: dict[str, int | None] | None = None):
-        self.src, self.dst = src, dst
-        self._runs: dict[str, int | None] = dict(runs or {})  # side -> first unit of its run
-        self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+        self._sides = {"src": src, "dst": dst}
+        self.count = len(src)
+        self._runs: dict[str, int | None] = dict(runs) if runs else {}  # side -> first unit
+        self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # What a backend worked out for moving this part between two buffers, kept for the
+        # next layer set (a layer-wise copy runs one plan once per layer).
+        self.moves: dict = {}
 
     def __len__(self) -> int:
-        return self.src.size
+        return self.count
+
+    def values(self, side: str) -> np.ndarray:
+        """The unit numbers of ``side`` ("src" or "dst"), int64."""
+        values = self._sides[side]
+        if isinstance(values, list):
+            values = self._sides[side] = np.array(values, dtype=np.int64)
+        return values
+
+    @property
+    def src(self) -> np.ndarray:
+        return self.values("src")
+
+    @property
+    def dst(self) -> np.ndarray:
+        return self.values("dst")
 
     def run(self, side: str) -> int | None:
         """The first unit of ``side`` ("src" or "dst") where that side is one run."""
         if side not in self._runs:
-            self._runs[side] = _run_start(self.src if side == "src" else self.dst)
+            self._runs[side] = _run_start(self.values(side))
         return self._runs[side]
 
     def tensor(self, side: str, device: torch.device) -> torch.Tensor:
         """The int64 index tensor of ``side`` on ``device`` (cached)."""
-        key = (side, str(device))
-        if key not in self._tensors:
-            values = self.src if side == "src" else self.dst
-            t = torch.from_numpy(values)
-            self._tensors[key] = t if device.type == "cpu" else t.to(device)
-        return self._tensors[key]
+        key = (side, device)
+        t = self._tensors.get(key)
+        if t is None:
+            t = torch.from_numpy(self.values(side))
+            if device.type != "cpu":
+                t = t.to(device)
+            self._tensors[key] = t
+        return t
 
 
 class RowPlan:
-    """What one copy moves, worked out once for every buffer and layer (numpy, on the
-    host): the rows to copy (skips and out-of-range rows dropped) and, where ``page_tokens
-    > 1``, the whole pages among them: pages that are the aligned run ``p * page_tokens ..``
-    on both sides, which can move as units larger than a row. Built by :func:`plan_rows`
-    (from row lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
+    """What one copy moves, worked out once for every buffer and layer (on the host): the
+    rows to copy (skips and out-of-range rows dropped) and, where ``page_tokens > 1``, the
+    whole pages among them: pages that are the aligned run ``p * page_tokens ..`` on both
+    sides, which can move as units larger than a row (``pages``: their page numbers, a
+    :class:`Part` of units of ``page_tokens`` rows). Built by :func:`plan_rows` (from row
+    lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
 
-    def __init__(self, page_tokens: int, errors: int, pages, all_whole: bool, rows, rest):
+    __slots__ = ("_make_rest", "_make_rows", "_rest", "_rows", "_units", "all_whole", "errors",
+                 "page_tokens")
+
+    def __init__(self, page_tokens: int, errors: int, pages: Part | None, all_whole: bool,
+                 rows, rest):
         self.page_tokens = page_tokens
         self.errors = errors  # out-of-range rows, skipped
-        self._pages = pages  # (src, dst) page numbers of the whole pages, or None
         self.all_whole = all_whole
         self._make_rows, self._make_rest = rows, rest  # () -> Part, on first use
         self._rows: Part | None = None
         self._rest: Part | None = None
-        self._units: dict[int, Part] = {}
+        # unit tokens -> the whole pages in units of that many rows
+        self._units: dict[int, Part] = {} if pages is None else {page_tokens: pages}
 
     @property
     def some_whole(self) -> bool:
-        return self._pages is not None
+        return bool(self._units)
 
     @property
     def pages(self) -> tuple[np.ndarray, np.ndarray] | None:
         """``(src, dst)`` page numbers of the whole pages (int64), or None."""
-        return self._pages
+        part = self._units.get(self.page_tokens)
+        return None if part is None else (part.src, part.dst)
 
     @property
     def rows(self) -> Part:
@@ -115,16 +150,13 @@ class RowPlan:
         part = self._units.get(unit_tokens)
         if part is None:
             per_page = self.page_tokens // unit_tokens
-            pages = self._units.get(self.page_tokens)
-            if pages is None:
-                pages = self._units[self.page_tokens] = Part(*self._pages)
-            if per_page == 1:
-                part = pages
-            else:  # a side is a run of units where its pages are a run
-                runs = {side: None if (r := pages.run(side)) is None else r * per_page
-                        for side in ("src", "dst")}
-                part = Part(*((p[:, None] * per_page + _steps(per_page)).reshape(-1)
-                              for p in self._pages), runs=runs)
+            pages = self._units[self.page_tokens]
+            # a side is a run of units where its pages are a run
+            runs = {side: None if (r := pages.run(side)) is None else r * per_page
+                    for side in ("src", "dst")}
+            part = Part(*((pages.values(side)[:, None] * per_page
+                           + _steps(per_page)).reshape(-1) for side in ("src", "dst")),
+                        runs=runs)
             self._units[unit_tokens] = part
         return part
 
@@ -162,8 +194,8 @@ def plan_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_limit: int,
         return Part(s[left], d[left])
 
     all_whole = bool(whole.all())
-    pages = tuple((x[::page_tokens] if all_whole else x[::page_tokens][whole]) // page_tokens
-                  for x in (s, d))
+    pages = Part(*((x[::page_tokens] if all_whole else x[::page_tokens][whole]) // page_tokens
+                   for x in (s, d)))
     return RowPlan(page_tokens, errors, pages, all_whole, rows, rest)
 
 
@@ -175,17 +207,19 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     page_tokens ..``. None otherwise (:func:`plan_rows` handles every case). A few numpy
     passes over the pages and no row lists: the usual case of a paged KV cache."""
     n, page_tokens = kv_pages.shape
-    if n == 0 or kv_pages.device.type != "cpu" or slots.device.type != "cpu":
+    if n == 0 or not (kv_pages.is_cpu and slots.is_cpu):
         return None
-    kv = kv_pages.numpy()
     largest_page = (kv_rows - page_tokens) // page_tokens
-    if kv.size <= SMALL_ROWS:  # a few pages: Python's lists cost less than numpy's calls
-        found = _small_whole_pages(kv.tolist(), slots.tolist(), page_tokens, largest_page,
-                                   num_slots)
+    runs = None
+    if n * page_tokens <= SMALL_PLAN_ROWS:  # a few pages: lists cost less than numpy calls
+        found = _small_whole_pages(kv_pages.tolist(), slots.tolist(), page_tokens,
+                                   largest_page, num_slots)
         if found is None:
             return None
-        pages, st = (np.array(x, dtype=np.int64) for x in found)
+        pages, st, kv_run, st_run = found  # lists: arrays are made where a copy needs them
+        runs = {"src": kv_run, "dst": st_run} if kv_is_src else {"src": st_run, "dst": kv_run}
     else:
+        kv = kv_pages.numpy()
         pages = (kv[:, 0] // page_tokens).astype(np.int64, copy=False)  # a new array
         if page_tokens > 1 and not bool((kv == (pages * page_tokens)[:, None]
                                          + _steps(page_tokens)).all()):
@@ -198,29 +232,44 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
             return None
 
     def rows() -> Part:
-        kv_flat = pages if page_tokens == 1 else np.asarray(kv.reshape(-1), dtype=np.int64)
-        st_flat = st if page_tokens == 1 else (st[:, None] * page_tokens
+        kv, st_ = np.asarray(pages, dtype=np.int64), np.asarray(st, dtype=np.int64)
+        kv_flat = kv if page_tokens == 1 else (kv[:, None] * page_tokens
                                                + _steps(page_tokens)).reshape(-1)
+        st_flat = st_ if page_tokens == 1 else (st_[:, None] * page_tokens
+                                                + _steps(page_tokens)).reshape(-1)
         return Part(kv_flat, st_flat) if kv_is_src else Part(st_flat, kv_flat)
 
-    return RowPlan(page_tokens, 0, (pages, st) if kv_is_src else (st, pages), True, rows, rows)
+    part = Part(pages, st, runs) if kv_is_src else Part(st, pages, runs)
+    return RowPlan(page_tokens, 0, part, True, rows, rows)
 
 
 def _small_whole_pages(rows: list[list[int]], slots: list[int], page_tokens: int,
-                       largest_page: int, num_slots: int) -> tuple[list, list] | None:
-    """:func:`plan_whole_pages`'s test on a few pages, in Python: the page numbers and slots
-    where every page is an aligned run in range and every slot in range, else None."""
-    pages = []
-    for row in rows:
-        first = row[0]
-        page, offset = divmod(first, page_tokens)
-        if offset or not 0 <= page <= largest_page or (
-                page_tokens > 1 and row != list(range(first, first + page_tokens))):
-            return None
-        pages.append(page)
-    if not all(0 <= s < num_slots for s in slots):
+                       largest_page: int, num_slots: int
+                       ) -> tuple[list[int], list[int], int | None, int | None] | None:
+    """:func:`plan_whole_pages`'s test on a few pages, in Python: ``(page numbers, slots,
+    first page of the pages' run or None, first slot of the slots' run or None)`` where
+    every page is an aligned run in range and every slot in range, else None."""
+    if page_tokens == 1:
+        pages = [row[0] for row in rows]
+    else:
+        pages = []
+        for row in rows:
+            first = row[0]
+            if first % page_tokens or row != list(range(first, first + page_tokens)):
+                return None  # not aligned, not a run, or padded with -1
+            pages.append(first // page_tokens)
+    if min(pages) < 0 or max(pages) > largest_page or min(slots) < 0 or max(slots) >= num_slots:
         return None
-    return pages, slots
+    return pages, slots, _list_run(pages), _list_run(slots)
+
+
+def _list_run(values: list[int]) -> int | None:
+    """``values[0]`` where ``values`` is ``values[0], values[0] + 1, ...``, else None."""
+    first = values[0]
+    if values[-1] - first != len(values) - 1:
+        return None
+    return first if len(values) < 3 or values == list(range(first, first + len(values))) \
+        else None
 
 
 @functools.lru_cache(maxsize=64)

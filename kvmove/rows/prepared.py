@@ -7,6 +7,7 @@ public entry points validate first, once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmove.checks import check_same_geometry
 from kvmove.memory.row_pool import BufferRows, RowPool
 from kvmove.rows import two_hop
 from kvmove.rows.host_indices import to_device
@@ -107,12 +109,15 @@ class PreparedCopy:
             parts.append(BufferCopy(s, d, chosen[name], kind, kernel))
         self.parts = tuple(parts)
         self.backends = frozenset(p.backend for p in parts)
+        self.torch_only = self.backends <= {"torch"}
         self.src_rows_limit = next(iter(src.buffers.values())).num_rows
         self.dst_rows_limit = next(iter(dst.buffers.values())).num_rows
-
-    @property
-    def torch_only(self) -> bool:
-        return self.backends <= {"torch"}
+        # A gather or scatter of pages: KV rows and staging slots in range.
+        self.gathering = direction == "gather"
+        self.kv_rows, staging_rows = ((self.src_rows_limit, self.dst_rows_limit)
+                                      if self.gathering
+                                      else (self.dst_rows_limit, self.src_rows_limit))
+        self.staging_slots = staging_rows // page_tokens
 
     def run(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
             errors: torch.Tensor | None, *, plan: RowPlan | None = None,
@@ -185,16 +190,18 @@ def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "au
     """The :class:`PreparedCopy` of these pools, layers and backend (made on first use,
     then cached). The cache lives with the staging side where there is one (a staging
     buffer already holds its cache alive), else with the destination; it keeps the
-    :data:`PREPARED_KEPT` most recently used."""
+    :data:`PREPARED_KEPT` most recently used. Pools of different geometry raise
+    ``ValueError`` (checked when the copy is made: a cached one was checked then)."""
     layer_key = layers if layers is None or isinstance(layers, int) else tuple(layers)
     owner, other = (dst, src) if dst.kind == "StagingBuffer" else (src, dst)
     key = (id(other), owner is src, layer_key, backend, direction, page_tokens)
     cache: OrderedDict = owner.prepared
-    with _cache_lock:
-        hit = cache.get(key)
-        if hit is not None and (hit.dst is other or hit.src is other):
+    hit = cache.get(key)  # a hit takes no lock: each OrderedDict call is atomic under the GIL
+    if hit is not None and (hit.dst is other or hit.src is other):
+        with contextlib.suppress(KeyError):  # another thread may have dropped it meanwhile
             cache.move_to_end(key)
-            return hit
+        return hit
+    check_same_geometry(src.shape, dst.shape, src.kind, dst.kind)
     prepared = PreparedCopy(src, dst, layers, backend=backend, direction=direction,
                             page_tokens=page_tokens)
     with _cache_lock:

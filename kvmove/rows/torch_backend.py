@@ -1,12 +1,15 @@
 """The torch reference backend of the row copy: ``index_select`` / ``index_copy_`` on byte
-views, one layer at a time. The correctness oracle in tests, and the fast path on a machine
-without a GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
+views (and ``memmove`` of runs in host memory), per layer or every layer of a stacked cache
+in one call. The correctness oracle in tests, and the fast path on a machine without a
+GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
 skipped and counted, nothing is written outside a pool.
 
 Speed on the CPU:
 
-- the index work is done once per call, in numpy, for all buffers and layers
+- the index work is done once per call, for all buffers and layers
   (:mod:`kvmove.rows.plan`): skips and out-of-range rows are dropped, and runs are found;
+  what a part's copy resolves to is kept with the plan for the next layer of a layer-wise
+  copy;
 - whole pages move in units of several rows: where ``page_tokens`` rows are the aligned
   run ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed
   as ``[units, unit_tokens * row_bytes]`` (units of up to 16 KiB) and the
@@ -14,10 +17,15 @@ Speed on the CPU:
 - a gather or scatter whose pages are all whole (the usual paged KV cache) is planned from
   the pages alone: no row lists are built;
 - where both sides are one run of units (a page into a slot, consecutive pages into
-  consecutive slots), each layer is one ``copy_``, in the widest element type (so that a
-  small copy stays on one thread: waking OpenMP workers costs more than it moves);
-- ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row;
-  ``index_copy_`` copies element by element, so its units are viewed with the widest element
+  consecutive slots) in host memory, each layer is one ``memmove`` (up to
+  :data:`MEMMOVE_MAX_BYTES` a layer): no torch call, no view; on a device, or larger, one
+  ``copy_`` per layer (or one for every layer of a stacked cache), in the widest element
+  type (so that a small copy stays on one thread: waking OpenMP workers costs more than it
+  moves);
+- ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row
+  (one call per layer; one for every layer of a stacked cache while the copy is small, see
+  :data:`STACKED_SELECT_MAX_BYTES`);
+- ``index_copy_`` copies element by element, so its units are viewed with the widest element
   type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
   faster at 656-byte rows; 16 bytes, as complex128, another 15-40%); the per-layer views
   are cached by the row pools.
@@ -25,45 +33,108 @@ Speed on the CPU:
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kvmove.memory.row_pool import BufferRows, shared_wide_type
 from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
 
+# A run of units into a run in host memory moves with one memmove per layer up to this many
+# bytes per layer: no torch dispatch and no views to make (under a microsecond a layer,
+# against microseconds for a view and a copy_), and serial: one copy_ of every layer of a
+# stacked cache splits a copy over OpenMP threads past 32768 elements, and on a busy
+# machine that region waits for its slowest thread (measured: 61 layers x 21 KiB, 0.1 ms
+# by memmoves, 0.4-3.7 ms by one copy_). Larger runs go to torch's copy_.
+MEMMOVE_MAX_BYTES = 512 << 10
+# An index_select of every layer in one call (a 3-D view, dim 1) saves one call per layer
+# but leaves torch's memcpy path for an element-wise one: up to this many bytes in all it
+# is faster (measured: 2-16x at 16 KiB-1 MiB, 8 layers), past a few MiB slower (0.7x at
+# 20-34 MiB) than one dim-0 index_select per layer.
+STACKED_SELECT_MAX_BYTES = 4 << 20
+
+# Up to this many bytes a layer, a per-layer index_select runs in wide elements (one thread);
+# past it in bytes (even chunks over the threads).
+SERIAL_SELECT_MAX_BYTES = 64 << 10
+
+_memmove = ctypes.memmove  # releases the GIL, as torch's copies do
+
+
+def _host_run(src: BufferRows, dst: BufferRows, unit: int, part: Part
+              ) -> tuple[int, int, int] | None:
+    """``(source offset, destination offset, bytes)`` in each layer where the part is one
+    run of units into one run, both in host memory without row padding and at most
+    :data:`MEMMOVE_MAX_BYTES` a layer: then each layer is one memmove. None otherwise. The
+    bounds are checked here, whatever the caller checked: a memmove has no view to stop
+    it."""
+    s0, d0, m = part.run("src"), part.run("dst"), len(part)
+    if (s0 is None or d0 is None or not (src.on_host and dst.on_host and src.dense
+                                         and dst.dense)
+            or m * unit * src.row_bytes > MEMMOVE_MAX_BYTES):
+        return None
+    units = src.num_rows // unit, dst.num_rows // unit
+    if min(s0, d0, m) < 0 or s0 + m > units[0] or d0 + m > units[1]:
+        raise IndexError(f"buffer {src.name!r}: a run of {m} units of {unit} rows at {s0} -> "
+                         f"{d0} leaves the pools ({units[0]} and {units[1]} units)")
+    unit_bytes = unit * src.row_bytes
+    return s0 * unit_bytes, d0 * unit_bytes, m * unit_bytes
+
 
 def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: int,
                part: Part) -> None:
     """``dst[part.dst[i]] = src[part.src[i]]`` in units of ``unit`` rows, in each layer."""
+    key = (id(src), id(dst), unit)  # both buffers live as long as the part
+    run = part.moves.get(key, False)
+    if run is False:
+        run = part.moves[key] = _host_run(src, dst, unit, part)
+    if run is not None:
+        # A memmove per layer, serial (within one pool too: a memmove reads its whole span
+        # before it writes, as the copy's contract asks).
+        s_off, d_off, nbytes = run
+        src_bases, dst_bases = src.host_bases, dst.host_bases
+        for i in layers:
+            _memmove(dst_bases[i] + d_off, src_bases[i] + s_off, nbytes)
+        return
     m = len(part)
+    s0, d0 = part.run("src"), part.run("dst")
     # Views of both sides in one call, where they share a device and no memory (inside one
     # pool every row is read first: torch refuses overlapping operands).
-    direct = src.device == dst.device and src is not dst
-    d0 = part.run("dst") if direct else None
-    s0 = part.run("src") if direct else None
-    wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
-    # One call for every layer where both sides allow it; one layer (a layer-wise prefetch)
-    # goes through the per-layer views, whose cache holds every layer of a run at once.
+    direct = src is not dst and src.device == dst.device
     stack = len(layers) > 1
-    if d0 is not None and s0 is not None:  # run to run: one copy per layer, or one in all
-        d3 = dst.stacked_run(layers, unit, d0, m, wide) if stack else None
-        s3 = src.stacked_run(layers, unit, s0, m, wide) if d3 is not None else None
-        if s3 is not None:
-            d3.copy_(s3)
+    if s0 is not None and d0 is not None:  # run to run, on a device or large
+        if direct and stack:  # every layer in one copy, where both sides are one 3-D view
+            wide = shared_wide_type(src, dst, unit)
+            d3 = dst.stacked_run(layers, unit, d0, m, wide)
+            s3 = src.stacked_run(layers, unit, s0, m, wide) if d3 is not None else None
+            if s3 is not None:
+                d3.copy_(s3)
+                return
+        if direct:  # one copy per layer, in the widest element type
+            wide = shared_wide_type(src, dst, unit)
+            dst_runs = dst.run_views(unit, d0, m, wide)
+            src_runs = src.run_views(unit, s0, m, wide)
+            for i in layers:
+                dst_runs[i].copy_(src_runs[i])
             return
-        dst_runs, src_runs = dst.run_views(unit, d0, m, wide), src.run_views(unit, s0, m, wide)
-        for i in layers:
-            dst_runs[i].copy_(src_runs[i])
-        return
+    if not direct:
+        s0 = d0 = None
+    wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
     s_idx = part.tensor("src", src.device)
     if d0 is not None:
-        s3 = src.stacked_units(layers, unit, wide) if stack else None
+        small = m * unit * src.row_bytes * len(layers) <= STACKED_SELECT_MAX_BYTES
+        s3 = src.stacked_units(layers, unit, wide) if stack and small else None
         d3 = dst.stacked_units(layers, unit, wide) if s3 is not None else None
         if d3 is not None:  # into a run of every layer: one call
             torch.index_select(s3, 1, s_idx, out=d3[:, d0:d0 + m])
             return
-        runs = dst.run_views(unit, d0, m)
-        if runs[0].is_contiguous():  # into a run: a memcpy per unit
-            views = src.unit_views(unit)
+        # Into a run: a memcpy per unit, one call per layer. index_select hands its units
+        # to threads in chunks of 32768 elements: in wide elements a small copy stays on
+        # one thread (waking OpenMP workers costs more than it moves), in bytes a large one
+        # is cut into even 32 KiB chunks.
+        serial = m * unit * src.row_bytes <= SERIAL_SELECT_MAX_BYTES
+        runs = dst.run_views(unit, d0, m, wide if serial else torch.uint8)
+        if runs[0].is_contiguous():
+            views = src.unit_views(unit, wide if serial else torch.uint8)
             for i in layers:
                 torch.index_select(views[i], 0, s_idx, out=runs[i])
             return
@@ -110,7 +181,10 @@ def copy_rows_torch(
     if not layers:
         return
     unit = unit_tokens(plan.page_tokens, src.row_bytes)
-    by_page = plan.some_whole and unit > 1 and src.pitch == src.row_bytes == dst.pitch
+    # Whole pages move in units of several rows where rows have no padding; one-token pages
+    # are rows, and the plan's pages are its rows.
+    by_page = plan.some_whole and ((unit > 1 and src.dense and dst.dense)
+                                   or plan.page_tokens == 1)
     if by_page:
         _copy_part(src, dst, layers, unit, plan.units(unit))
         if plan.all_whole:

@@ -218,26 +218,6 @@ def test_auto_backend_is_torch_without_a_gpu():
     assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
 
 
-def test_torch_plan_moves_whole_aligned_pages_as_units():
-    from kvmove.rows.plan import plan_rows, unit_tokens
-
-    pt = 4
-    src = torch.tensor([8, 9, 10, 11,  1, 2, 3, 4,  12, 13, -1, -1,  0, 1, 2, 3,  16, 17, 18, 19])
-    dst = torch.tensor([0, 1, 2, 3,  4, 5, 6, 7,  8, 9, 10, 11,  12, 13, 14, 15,  16, 17, 18, 19])
-    plan = plan_rows(src, dst, 18, 20, pt)  # KV rows 16.. are out of range
-    # Page 0 and 3 are whole aligned runs on both sides; page 1 is unaligned in the KV,
-    # page 2 is cut short, page 4 is past the KV.
-    assert plan.some_whole and not plan.all_whole
-    assert plan.errors == 2  # rows 18 and 19; 16 and 17 are in range
-    assert plan.units(4).src.tolist() == [2, 0] and plan.units(4).dst.tolist() == [0, 3]
-    assert plan.units(2).src.tolist() == [4, 5, 0, 1]
-    assert plan.rest.src.tolist() == [1, 2, 3, 4, 12, 13, 16, 17]
-    assert plan.rest.dst.tolist() == [4, 5, 6, 7, 8, 9, 16, 17]
-    assert plan.rows.src.tolist() == [8, 9, 10, 11, 1, 2, 3, 4, 12, 13, 0, 1, 2, 3, 16, 17]
-    assert unit_tokens(64, 656) == 16 and unit_tokens(16, 4100) == 2
-    assert unit_tokens(64, 132) == 64 and unit_tokens(8, 20000) == 1
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_within_one_pool_reads_before_it_writes(backend):
     """KV to KV inside one cache (a defragmentation) and staging to staging, whole pages and

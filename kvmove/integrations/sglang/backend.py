@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvmove
-from kvmove.descriptors import concat, describe
+from kvmove.descriptors import concat, describe_trusted
 from kvmove.integrations.sglang.keys import SGLangKeys
 from kvmove.integrations.sglang.pools import PoolView, indexer_view, kv_view
 from kvmove.integrations.sglang.store_config import store_config_for
@@ -111,12 +111,13 @@ class KVMoveStorage(HiCacheStorage):
 
     def _describe(self, view: PoolView, object_keys: list[list[str]], host_indices):
         """Descriptors of every object of the pages ``host_indices``: component by
-        component (``object_keys[c]`` names component ``c``'s objects)."""
+        component (``object_keys[c]`` names component ``c``'s objects, made by
+        :class:`SGLangKeys`: non-empty strings). The pages are checked here, once."""
         pages = view.pages_of(host_indices)
         if len(pages) != len(object_keys[0]):
             raise ValueError(f"{len(object_keys[0])} keys for {len(pages)} pages of "
                              f"host_indices")
-        return concat([describe(pool, pages, keys)
+        return concat([describe_trusted(pool, pages, keys, pool.page_tokens)
                        for pool, keys in zip(view.components, object_keys, strict=True)])
 
     def _get(self, desc):

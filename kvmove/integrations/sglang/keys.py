@@ -26,6 +26,7 @@ class SGLangKeys:
         if getattr(storage_config, "model_name", None):
             parts.append("-".join(storage_config.model_name.split("/")))
         self.prefix = "_".join(parts) if parts else None
+        self._head = "" if self.prefix is None else self.prefix + "_"  # what a key starts with
         tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
         pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
         pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
@@ -35,13 +36,6 @@ class SGLangKeys:
         else:
             self.mha_suffix, self.mla_suffix = f"{tp_rank}", ""
 
-    def tagged(self, keys: Sequence[str]) -> list[str]:
-        """Page keys with the prefix."""
-        if self.prefix is None:
-            return list(keys)
-        head = self.prefix + "_"
-        return [head + k for k in keys]
-
     @property
     def suffixes(self) -> list[str]:
         """The suffixes of a page's KV objects, in SGLang's order."""
@@ -50,11 +44,13 @@ class SGLangKeys:
         return [f"_{self.mha_suffix}_k", f"_{self.mha_suffix}_v"]
 
     def kv_objects(self, keys: Sequence[str]) -> list[list[str]]:
-        """Per component (MLA: one, MHA: k then v), the object key of every page."""
-        tagged = self.tagged(keys)
-        return [[k + suffix for k in tagged] for suffix in self.suffixes]
+        """Per component (MLA: one, MHA: k then v), the object key of every page (one pass
+        over the keys per component: prefix and suffix in one string)."""
+        head = self._head
+        return [[f"{head}{k}{suffix}" for k in keys] for suffix in self.suffixes]
 
     def side_objects(self, keys: Sequence[str], pool_name: str) -> list[str]:
         """The object key of every page of side pool ``pool_name`` (e.g. ``indexer``)."""
+        head = self._head
         suffix = f"_{self.mla_suffix}_{pool_name}"
-        return [k + suffix for k in self.tagged(keys)]
+        return [f"{head}{k}{suffix}" for k in keys]
