@@ -20,18 +20,10 @@ from kvmove import mover as mover_module
 from kvmove.cli.cluster_node import ClusterNode, NodeProcess
 from kvmove.memory.host_memory import HostMemory
 from kvmove.status import BAD_ROWS
-from tests.support.caches import make_layers, snapshot
+from tests.support.caches import GEOMETRIES, snapshot
 from tests.support.store_state import registered_regions
 
 PATHS = ("staged", "in_place")
-GEOMETRIES = {
-    "mla": lambda slots: {"kv": make_layers(4, slots, 656, torch.uint8, stacked=True, seed=1)},
-    "mha": lambda slots: {"k": make_layers(3, slots, 576, torch.bfloat16, seed=2),
-                          "v": make_layers(3, slots, 576, torch.bfloat16, seed=3)},
-    "hybrid": lambda slots: {"kv": make_layers(5, slots, 1152, torch.bfloat16, seed=4),
-                             "indexer": make_layers(2, slots, 132, torch.uint8, pitch_pad=4,
-                                                    seed=5)},
-}
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Soak: random evict/prefetch cycles for a bounded time (``KVMOVE_SOAK_SECONDS``, default
-45; longer runs set it) over a hybrid KV cache, against a real embedded mooncake_master, with every byte
-verified, resident memory checked for growth, and the staging pool full at the end.
+45; longer runs set it) over a hybrid KV cache, against a real embedded mooncake_master,
+with every byte verified, resident memory checked for growth, and the staging pool full at
+the end.
 
 Each cycle issues an evict of new keys and a prefetch of stored keys (plus, now and then, a
 key that is not stored, or one with the wrong ``valid_tokens``) together, so both are in

@@ -102,3 +102,15 @@ def underlying(kv: kvmove.KVCache) -> list[torch.Tensor]:
             t = kv.layer(name, layer)
             out.append((t._base if t._base is not None else t).clone())
     return out
+
+
+# Buffers of an MLA-like, an MHA and a hybrid cache of ``slots`` token slots (stacked and
+# per-layer tensors, odd dtypes, a padded pitch), for the movers' tests.
+GEOMETRIES = {
+    "mla": lambda slots: {"kv": make_layers(4, slots, 656, torch.uint8, stacked=True, seed=1)},
+    "mha": lambda slots: {"k": make_layers(3, slots, 576, torch.bfloat16, seed=2),
+                          "v": make_layers(3, slots, 576, torch.bfloat16, seed=3)},
+    "hybrid": lambda slots: {"kv": make_layers(5, slots, 1152, torch.bfloat16, seed=4),
+                             "indexer": make_layers(2, slots, 132, torch.uint8, pitch_pad=4,
+                                                    seed=5)},
+}
