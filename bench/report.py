@@ -199,7 +199,14 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += ["", f"- `auto` picked {w['auto_path']} ({w['auto_reason']}): put "
                     f"{w['over_floor']['auto put']:.2f}x the floor ({met['put']}), get "
                     f"{w['over_floor']['auto get']:.2f}x ({met['get']}); target <= "
-                    f"{w['target']:g}x", ""]
+                    f"{w['target']:g}x"]
+        if "met_free_rows" in w:
+            met = {op: "met" if w["met_free_rows"][op] else "missed" for op in ("put", "get")}
+            out.append(f"- with `prefetch_into_free_rows=True` (the vLLM connector's mover) "
+                       f"`auto` picked {w['auto_free_rows_path']}: put "
+                       f"{w['over_floor']['auto+free_rows put']:.2f}x ({met['put']}), get "
+                       f"{w['over_floor']['auto+free_rows get']:.2f}x ({met['get']})")
+        out.append("")
     v = suite.get("vllm")
     if v:
         out += [f"vLLM connector save/load of {v['blocks']} blocks of "

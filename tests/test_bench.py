@@ -191,12 +191,14 @@ def test_in_place_benchmark_runs_end_to_end_and_reports(tmp_path):
     result = json.loads(out.read_text())
     assert [w["workload"] for w in result["in_place"]] == ["block rows", "token rows"]
     for w in result["in_place"]:
-        for who in ("floor", "KVMover auto", "KVMover staged", "KVMover in_place"):
+        for who in ("floor", "KVMover auto", "KVMover auto+free_rows", "KVMover staged",
+                    "KVMover in_place"):
             assert w["median_ms"][f"{who} put"] > 0 and w["median_ms"][f"{who} get"] > 0
         assert w["auto_path"] in ("staged", "in_place", "mixed")
         assert set(w["met"]) == {"put", "get"}
     md = "\n".join(report.suite_section("in_place", result))
     assert "in-place floor" in md and "| floor get |" in md and "`auto` picked" in md
+    assert "`prefetch_into_free_rows=True`" in md
 
 
 def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
