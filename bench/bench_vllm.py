@@ -1,10 +1,11 @@
 """Save and load of the same vLLM KV blocks: kvmove's vLLM connector path against vLLM's own
 ``MooncakeStoreConnector`` path, in the same run, on the same KV tensors and store.
 
-- kvmove: the connector's worker path: the KV cache as ``block_regions`` views, a
-  ``KVMover`` with raw (vLLM) keys and the connector's default ``path="auto"`` (what it picks
-  is reported): save = a put straight from the blocks, or a gather into staging + put;
-  load = a get straight into the blocks, or get + scatter (whole-cache, and layer by layer).
+- kvmove: the connector's worker path: the KV cache as ``block_regions`` views and the
+  connector's own ``KVMover`` (``block_mover``: raw vLLM keys, loads into free blocks) with
+  its default ``path="auto"`` (what it picks is reported): save = a put straight from the
+  blocks, or a gather into staging + put; load = a get straight into the blocks, or get +
+  scatter (whole-cache, and layer by layer).
 - vLLM: its worker's data path: ``RankLocalStoreLayout.prepare_values`` descriptors straight
   into the registered KV cache, ``batch_is_exist`` + ``batch_put_from_multi_buffers`` on save,
   ``batch_get_into_multi_buffers`` on load (zero copy), as its send/receive threads do.
@@ -62,6 +63,7 @@ def bench(args) -> dict:
 
     from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat
     from kvmove.integrations.vllm.layout import block_regions
+    from kvmove.integrations.vllm.worker import block_mover
 
     n, bs = args.blocks, args.block_size
     num_blocks = 2 * n + 1
@@ -81,8 +83,7 @@ def bench(args) -> dict:
     segment = max(1 << 30, 4 * total * args.repeat + (256 << 20))
     with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
         views, _ = block_regions([(f"l{i}", t) for i, t in enumerate(src)], num_blocks)
-        mover = kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
-                               staging_slots=n, raw_keys=True, path=args.path)
+        mover = block_mover(views, store, staging_slots=n, path=args.path)  # the connector's
         choice = mover.path_choice
         client = store._client  # vLLM's path talks to the same Mooncake client
         store.register([(storage.data_ptr(), storage.nbytes())])

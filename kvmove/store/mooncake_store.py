@@ -1035,8 +1035,11 @@ class MooncakeStore:
                     if replica in replicas_of(confirm.value.get(desc.keys[i])):
                         codes[i] = replica.size
         recovered = sum(1 for i in idx if codes[i] == desc.nbytes(i))
-        log.warning("replica failover: %d of %d keys whose holder failed read from a live "
-                    "replica in %.2f s", recovered, len(idx), time.monotonic() - t0)
+        # Nothing to say where no key had a replica to try (a failed transfer with one
+        # replica, or an object of another size than its destination).
+        log.log(logging.WARNING if plan else logging.DEBUG,
+                "replica failover: %d of %d keys whose holder failed read from a live "
+                "replica in %.2f s", recovered, len(idx), time.monotonic() - t0)
         return settled(late)
 
     def _replica_groups(self, desc: Descriptors, items: list) -> list[list]:

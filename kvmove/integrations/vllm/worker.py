@@ -19,6 +19,21 @@ from kvmove.integrations.vllm.store_config import connector_store_config
 log = logging.getLogger(__name__)
 
 
+def block_mover(views: list[torch.Tensor], store, *, staging_slots: int,
+                path: str = "auto") -> kvmove.KVMover:
+    """The connector's :class:`kvmove.KVMover` over vLLM's block regions ``views`` (uint8
+    ``[num_blocks, block_len]`` each, :func:`.layout.block_regions`): one-token pages (a
+    page is a block), raw (vLLM) keys. ``path="auto"``: where the store reaches vLLM's blocks
+    (host memory; device memory over RDMA) and moving them in place measures faster, saves
+    and loads skip staging. A load lands in blocks vLLM allocated for it and a block whose
+    load failed is recomputed (``kv_load_failure_policy`` "recompute"): whatever a failed
+    in-place get left in it is overwritten, so loads may go in place too
+    (``prefetch_into_free_rows=True``)."""
+    return kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
+                          staging_slots=staging_slots, raw_keys=True, path=path,
+                          prefetch_into_free_rows=True)
+
+
 class WorkerSide:
     """The connector's worker side: a :class:`kvmove.KVMover` over vLLM's block regions;
     one gather + background put per step's saves, get + scatter per step's loads."""
@@ -48,17 +63,9 @@ class WorkerSide:
         named = [(n, t) for n, t in kv_caches.items() if n in layers]
         views, self._layer_index = block_regions(named, self.num_blocks)
         self.views = views  # uint8 [num_blocks, block_len] per region, vLLM's order
-        kv = kvmove.KVCache({"kv": views})
         object_bytes = sum(v.shape[1] for v in views)
         slots = max(1, min(self.num_blocks, self.plan.staging_bytes // object_bytes))
-        # path="auto": where the store reaches vLLM's blocks (host memory; device memory over
-        # RDMA) and moving them in place measures faster, saves and loads skip staging.
-        # A load lands in blocks vLLM allocated for it; a block whose load failed is
-        # recomputed (kv_load_failure_policy "recompute"): whatever a failed in-place get left
-        # in it is overwritten, so loads may go in place too.
-        self.mover = kvmove.KVMover(kv, self.store, page_tokens=1, staging_slots=slots,
-                                    raw_keys=True, path=self.plan.path,
-                                    prefetch_into_free_rows=True)
+        self.mover = block_mover(views, self.store, staging_slots=slots, path=self.plan.path)
         choice = self.mover.path_choice
         log.info("kvmove connector: %d regions of %d B per block, %d staging blocks; saves "
                  "%s, loads %s (%s)", len(views), views[0].shape[1],
