@@ -44,7 +44,8 @@ Batches are cut to what the transport carries: calls of at most ``config.max_bat
 keys and at most the transport's spans per call, with at most its spans in flight per client
 (:mod:`kvmove.store.transport_limits`, the one place those limits live; over TCP the store
 raises Mooncake's per-peer queues before set-up unless the user set them). The calls of one
-put/get run side by side as far as the spans in flight allow.
+put/get run one after the other (``limits.side_by_side``: side by side they were slower);
+calls of different puts and gets share the spans in flight.
 
 No call hangs (:mod:`kvmove.store.bounded_call`): every Mooncake call (a batch, or one master
 RPC) is waited for at most ``config.call_timeout`` seconds once started, and a call waiting
@@ -793,14 +794,15 @@ class MooncakeStore:
 
     def _chunked(self, chunks: list[slice], run: Callable[[slice], list[int]]) -> _Codes:
         """The per-key codes of ``run(chunk)`` over ``chunks``, with the futures of calls
-        given up joined in ``late``. Chunks run in order, as many at a time as the client's
-        spans in flight allow (``inflight_spans // call_spans``; one at a time with
-        Mooncake's default TCP queues). When every key of a chunk fails with an RPC error
+        given up joined in ``late``. Chunks run in order, ``limits.side_by_side`` at a time
+        (one, measured faster) as far as the client's spans in flight allow
+        (``inflight_spans // call_spans``). When every key of a chunk fails with an RPC error
         the master is unreachable (each further call would wait ~4 s for Mooncake to
         reconnect), and when a call was given up the transport or master is stuck: either
         way the chunks not started yet get that code untried."""
         n = chunks[-1].stop if chunks else 0
-        width = min(len(chunks), max(1, self.limits.inflight_spans // self.limits.call_spans))
+        width = min(len(chunks), self.limits.side_by_side,
+                    max(1, self.limits.inflight_spans // self.limits.call_spans))
         parts: list = [None] * len(chunks)
         taken = iter(range(len(chunks)))
         lock = threading.Lock()

@@ -23,6 +23,7 @@ def test_tcp_limits_follow_the_queue_variables():
     assert (default.call_spans, default.inflight_spans) == (1024, 1024)
     raised = limits_for("tcp", dict.fromkeys(TCP_QUEUE_VARS, "65535"))
     assert (raised.call_spans, raised.inflight_spans) == (2048, 8192)
+    assert raised.side_by_side == 1  # a put's calls one at a time: measured faster over TCP
     small = limits_for("tcp", {TCP_QUEUE_VARS[0]: "300"})
     assert (small.call_spans, small.inflight_spans) == (300, 300)
     junk = limits_for("tcp", {TCP_QUEUE_VARS[0]: "lots"})  # Mooncake's default then
@@ -38,6 +39,8 @@ def test_other_protocols_and_overrides():
     assert limits_for("tcp", {}, call_spans=5000).call_spans == 1024  # never above in flight
     with pytest.raises(ValueError, match="call_spans"):
         TransportLimits(0, 10, "x")
+    with pytest.raises(ValueError, match="side_by_side"):
+        TransportLimits(10, 10, "x", side_by_side=0)
 
 
 def test_prepare_environment_raises_tcp_queues_unless_set():
@@ -68,8 +71,8 @@ def test_store_config_bound_fields():
 
 def test_batches_are_cut_by_spans_and_keys(keyspace, monkeypatch):
     # 40 keys of 9 spans (3 layers x 3 buffers) = 360 spans; 100 spans per call and 16
-    # keys per call cut it into calls of 11 keys (99 spans), run side by side as the spans
-    # in flight allow; every byte reads back.
+    # keys per call cut it into calls of 11 keys (99 spans), one after the other; every
+    # byte reads back.
     with kvmove.MooncakeStore.embedded(global_segment_size="64mb", max_call_spans=100,
                                        max_batch_keys=16) as store:
         staging = make_staging({"a": (3, 132), "b": (3, 656), "c": (3, 4)}, num_slots=80,
@@ -77,21 +80,28 @@ def test_batches_are_cut_by_spans_and_keys(keyspace, monkeypatch):
         keys = keyspace(40)
         calls: list[tuple[str, int, int]] = []
         real = store._batch
+        active, most = [0], [0]
 
         def counting(fn, keys_, *args):
             spans = sum(map(len, args[0])) if fn.__name__.endswith("multi_buffers") else 0
             calls.append((fn.__name__, len(keys_), spans))
-            return real(fn, keys_, *args)
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            try:
+                return real(fn, keys_, *args)
+            finally:
+                active[0] -= 1
 
         monkeypatch.setattr(store, "_batch", counting)
         assert store.put(kvmove.describe(staging, list(range(40)), keys)).all_ok
         puts = [c for c in calls if c[0] == "batch_put_from_multi_buffers"]
-        assert sorted(c[1] for c in puts) == [7, 11, 11, 11]  # they run side by side
+        assert [c[1] for c in puts] == [11, 11, 11, 7]  # in order, one at a time
         assert max(c[2] for c in puts) <= 100
+        assert most[0] == 1  # never two calls of one put in flight
         calls.clear()
         got = store.get(kvmove.describe(staging, list(range(40, 80)), keys))
         assert got.all_ok and got.late is None
-        assert sorted(c[1] for c in calls) == [7, 11, 11, 11]
+        assert [c[1] for c in calls] == [11, 11, 11, 7]
         for name in ("a", "b", "c"):
             t = staging.tensor(name)
             assert torch.equal(t[:, 40:80], t[:, :40])
