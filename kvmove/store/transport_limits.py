@@ -2,7 +2,7 @@
 transport's limits. The store cuts every batch by them (:class:`kvmove.MooncakeStore`), and
 the direct path's Transfer Engine calls can too (the same TCP transport).
 
-TCP (Mooncake 0.3.13.post1, loopback, separate processes; measured, see NOTES-issue-21.md):
+TCP (Mooncake 0.3.13.post1, loopback, separate processes; measured):
 
 - The limit is the number of transfer requests in flight per (client, peer), not bytes: the
   transport keeps per peer a queue of ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` requests (1024
@@ -16,19 +16,21 @@ TCP (Mooncake 0.3.13.post1, loopback, separate processes; measured, see NOTES-is
   both to 65535 unless the user set them. Then 128 pages x 61 spans pass in one call, 8
   concurrent calls of 2013 spans each with two replicas pass, and a call of 2048 spans of
   10 KB takes ~0.3 s (put, two replicas) / ~0.12 s (get) on loopback.
+  One call of 8192 spans of 10 KB: put (two replicas) 1.28 s, get 0.56 s.
 - Limits used: with a queue of ``Q`` (the first variable's value), at most ``min(Q, 8192)``
-  spans in flight per client (all its calls together) and ``min(that, 2048)`` per call.
-  With the default queue that is 1024 and 1024 (a put of 16 DSA pages per call).
-
-- The calls of one put/get go one after the other: side by side (4 calls of 2048 spans at a
+  spans in flight per client (all its calls together) and as many in one call. With the
+  default queue that is 1024 and 1024 (a put of 16 DSA pages per call).
+- The calls of one put/get go one after the other. Side by side (4 calls of 2048 spans at a
   time) they took 1.6-2x as long as one at a time (set / get of 256 one-token SGLang pages
   x 61 layers, 15616 spans, into a holder over loopback TCP: 0.85 / 1.03 s against 0.54 /
-  0.50 s; one call of all the spans 0.58 / 0.51 s, SGLang's own backend 0.60 / 0.52 s).
+  0.50 s; one call of all the spans 0.58 / 0.51 s, SGLang's own backend 0.60 / 0.52 s):
   Mooncake's transfer threads already work a call's spans in parallel. Only objects in the
   client's own segment (a local memcpy on the calling thread) gained from side by side
-  calls: 1.1-1.25x for 128 keys x 61 spans; in a cluster most objects are remote. Calls of
-  different puts/gets (the mover's workers) still run side by side within the spans in
-  flight.
+  calls (1.1-1.25x for 128 keys x 61 spans), which is why a call carries up to 8192 spans
+  rather than cutting a batch into many small sequential ones: a batch the engines' own
+  connectors send in one call (vLLM's 256 blocks x 32 spans, 96 blocks x 32 layers) is one
+  call here too. Calls of different puts/gets (the mover's workers) still run side by
+  side within the spans in flight.
 Other protocols (RDMA, ...) are not measured here: 1024 spans per call and 4096 in flight,
 the TCP default's order of magnitude, until measured. ``StoreConfig.max_call_spans`` /
 ``max_inflight_spans`` override the figures for any protocol.
@@ -50,7 +52,7 @@ TCP_QUEUE_VARS = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
 TCP_QUEUE_RAISED = 65535  # the variables' maximum
 TCP_DEFAULT_QUEUE = 1024  # Mooncake's default for both
 TCP_MAX_INFLIGHT = 8192  # spans in flight per client: half of what passed (8 x 2013)
-TCP_MAX_CALL = 2048  # spans per call: ~0.3 s of 10 KB spans on loopback
+TCP_MAX_CALL = 8192  # spans per call: 8192 x 10 KB put with two replicas in 1.3 s
 OTHER_CALL, OTHER_INFLIGHT = 1024, 4096  # not measured
 SIDE_BY_SIDE = 1  # calls of one put/get in flight at once (measured over TCP; see above)
 

@@ -22,7 +22,7 @@ def test_tcp_limits_follow_the_queue_variables():
     default = limits_for("tcp", {})
     assert (default.call_spans, default.inflight_spans) == (1024, 1024)
     raised = limits_for("tcp", dict.fromkeys(TCP_QUEUE_VARS, "65535"))
-    assert (raised.call_spans, raised.inflight_spans) == (2048, 8192)
+    assert (raised.call_spans, raised.inflight_spans) == (8192, 8192)
     assert raised.side_by_side == 1  # a put's calls one at a time: measured faster over TCP
     small = limits_for("tcp", {TCP_QUEUE_VARS[0]: "300"})
     assert (small.call_spans, small.inflight_spans) == (300, 300)
