@@ -8,7 +8,6 @@ in place cannot hold."""
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 import pytest
@@ -22,6 +21,7 @@ from kvmove.memory.host_memory import HostMemory
 from kvmove.status import BAD_ROWS
 from tests.support.caches import GEOMETRIES, snapshot
 from tests.support.store_state import registered_regions
+from tests.support.threads import close_while_calling
 
 PATHS = ("staged", "in_place")
 
@@ -263,35 +263,14 @@ def test_close_waits_for_in_place_evicts_running_on_callers_threads(store, keysp
     kv = kvmove.KVCache(GEOMETRIES["mla"](256))
     m = kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place")
     regions = m._rows.regions()
-    outcomes: Counter = Counter()
-    unexpected: list[BaseException] = []
-    stop = threading.Event()
 
-    def caller(w: int) -> None:
-        i = 0
-        while not stop.is_set():
-            try:
-                statuses = m.evict(keyspace(1, tag=f"{w}-{i}"), torch.arange(
-                    w * 16, w * 16 + 4).reshape(1, 4)).wait(30)
-                outcomes[statuses[0].value] += 1
-            except kvmove.KVMoveError:
-                outcomes["refused"] += 1
-                return
-            except BaseException as e:  # anything else is a bug
-                unexpected.append(e)
-                return
-            i += 1
+    def evict(w: int, i: int) -> str:
+        return m.evict(keyspace(1, tag=f"{w}-{i}"),
+                       torch.arange(w * 16, w * 16 + 4).reshape(1, 4)).wait(30)[0].value
 
-    callers = [threading.Thread(target=caller, args=(w,)) for w in range(4)]
-    for t in callers:
-        t.start()
-    stop.wait(0.3)
     with caplog.at_level("WARNING", logger="kvmove"):
-        m.close()
-    stop.set()
-    for t in callers:
-        t.join(30)
-    assert unexpected == [] and outcomes["refused"] > 0 and outcomes["ok"] > 0, outcomes
+        outcomes = close_while_calling(evict, m.close)
+    assert outcomes["refused"] > 0 and outcomes["ok"] > 0, outcomes
     assert not [r for r in caplog.records if "unregister" in r.getMessage()]
     assert not set(regions) & set(registered_regions(store))
 

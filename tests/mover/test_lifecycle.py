@@ -31,6 +31,7 @@ from kvmove import Status
 from tests.support.caches import make_layers, write_random
 from tests.support.process_table import masters_on_port, wait_gone
 from tests.support.store_state import regions_in_use, registered_regions
+from tests.support.threads import close_while_calling
 
 pytestmark = pytest.mark.store
 
@@ -294,34 +295,13 @@ def test_mover_close_while_transfers_run_waits_then_unregisters(store, keyspace,
 def test_mover_close_racing_callers_leaks_no_slot(store, keyspace):
     kv = hybrid(256)
     mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=16, key_prefix="race3")
-    outcomes: dict[str, int] = defaultdict(int)
-    unexpected: list[BaseException] = []
-    stop = threading.Event()
 
-    def caller(w: int) -> None:
-        i = 0
-        while not stop.is_set():
-            try:
-                mover.evict([f"{w}-{i}"], pages(w * 2 * PAGE, 2)[:1])
-                outcomes["submitted"] += 1
-            except kvmove.KVMoveError:
-                outcomes["refused"] += 1
-                return
-            except BaseException as e:  # anything else is a bug
-                unexpected.append(e)
-                return
-            i += 1
+    def evict(w: int, i: int) -> str:
+        mover.evict([f"{w}-{i}"], pages(w * 2 * PAGE, 2)[:1])
+        return "submitted"
 
-    callers = [threading.Thread(target=caller, args=(w,)) for w in range(4)]
-    for t in callers:
-        t.start()
-    time.sleep(0.3)
-    mover.close()
-    stop.set()
-    for t in callers:
-        t.join(30)
-    assert unexpected == []
-    assert outcomes["submitted"] > 0 and outcomes["refused"] > 0
+    outcomes = close_while_calling(evict, mover.close)
+    assert outcomes["submitted"] > 0 and outcomes["refused"] > 0, outcomes
     assert mover.staging.num_free == mover.staging.num_slots
 
 
