@@ -41,7 +41,8 @@ Mooncake behaviours this relies on (0.3.13, verified against a real master by th
   :func:`_shutdown`).
 
 Batches are cut to what the transport carries: calls of at most ``config.max_batch_keys``
-keys and at most the transport's spans per call, with at most its spans in flight per client
+keys and at most the transport's spans and bytes per call, with at most its spans in flight
+per client
 (:mod:`kvmove.store.transport_limits`, the one place those limits live; over TCP the store
 raises Mooncake's per-peer queues before set-up unless the user set them). The calls of one
 put/get run one after the other (``limits.side_by_side``: side by side they were slower);
@@ -776,20 +777,24 @@ class MooncakeStore:
         return [slice(a, min(a + step, n)) for a in range(0, n, step)]
 
     def _span_chunks(self, desc: Descriptors) -> list[slice]:
-        """Consecutive keys of ``desc`` cut into calls of at most ``max_batch_keys`` keys and
-        ``limits.call_spans`` spans (a key with more spans than that goes alone)."""
-        n, step, cap = len(desc), self.config.max_batch_keys, self.limits.call_spans
+        """Consecutive keys of ``desc`` cut into calls of at most ``max_batch_keys`` keys,
+        ``limits.call_spans`` spans and ``limits.call_bytes`` bytes (a key larger than that
+        goes alone)."""
+        n, step = len(desc), self.config.max_batch_keys
+        cap, most = self.limits.call_spans, self.limits.call_bytes
         if n == 0:
             return []
-        if n <= step and desc.num_spans <= cap:
+        if n <= step and desc.num_spans <= cap and desc.total_bytes <= most:
             return [slice(0, n)]
-        total = np.cumsum(np.fromiter(map(len, desc.ptrs), dtype=np.int64, count=n))
-        chunks, start, base = [], 0, 0
+        spans = np.cumsum(np.fromiter(map(len, desc.ptrs), dtype=np.int64, count=n))
+        nbytes = np.cumsum(np.asarray(desc.object_sizes(), dtype=np.int64))
+        chunks, start, base_spans, base_bytes = [], 0, 0, 0
         while start < n:
-            end = int(np.searchsorted(total, base + cap, side="right"))
+            end = min(int(np.searchsorted(spans, base_spans + cap, side="right")),
+                      int(np.searchsorted(nbytes, base_bytes + most, side="right")))
             end = max(start + 1, min(end, start + step, n))
             chunks.append(slice(start, end))
-            base, start = int(total[end - 1]), end
+            base_spans, base_bytes, start = int(spans[end - 1]), int(nbytes[end - 1]), end
         return chunks
 
     def _chunked(self, chunks: list[slice], run: Callable[[slice], list[int]]) -> _Codes:

@@ -55,21 +55,28 @@ TCP_MAX_INFLIGHT = 8192  # spans in flight per client: half of what passed (8 x 
 TCP_MAX_CALL = 8192  # spans per call: 8192 x 10 KB put with two replicas in 1.3 s
 OTHER_CALL, OTHER_INFLIGHT = 1024, 4096  # not measured
 SIDE_BY_SIDE = 1  # calls of one put/get in flight at once (measured over TCP; see above)
+# Bytes per call, any protocol: a call must end well inside the store's call_timeout (10 s)
+# on a slow link too; 256 MiB is 0.2 s at 10 Gb/s, 2 s at 1 Gb/s. Spans alone do not bound
+# it: 8192 spans of a page_first SGLang page (64 tokens x 61 layers x 1152 B: 4.5 MB) are
+# 36 GB.
+CALL_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
 class TransportLimits:
     """``call_spans``: spans in one Mooncake call; ``inflight_spans``: spans in flight per
     client, all its calls together; ``basis``: where the figures come from (for logs);
-    ``side_by_side``: calls of one put/get in flight at once (within ``inflight_spans``)."""
+    ``side_by_side``: calls of one put/get in flight at once (within ``inflight_spans``);
+    ``call_bytes``: bytes in one Mooncake call (a larger object goes alone)."""
 
     call_spans: int
     inflight_spans: int
     basis: str
     side_by_side: int = SIDE_BY_SIDE
+    call_bytes: int = CALL_BYTES
 
     def __post_init__(self):
-        for name in ("call_spans", "inflight_spans", "side_by_side"):
+        for name in ("call_spans", "inflight_spans", "side_by_side", "call_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -3,6 +3,8 @@ and how the store cuts a batch by them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,6 +43,27 @@ def test_other_protocols_and_overrides():
         TransportLimits(0, 10, "x")
     with pytest.raises(ValueError, match="side_by_side"):
         TransportLimits(10, 10, "x", side_by_side=0)
+    with pytest.raises(ValueError, match="call_bytes"):
+        TransportLimits(10, 10, "x", call_bytes=0)
+    assert rdma.call_bytes == mine.call_bytes == 256 << 20
+
+
+def test_batches_are_cut_by_bytes_too(keyspace):
+    # 12 keys of 2 x 4 KiB spans (8 KiB objects) with 20 KiB a call: calls of 2 keys, and
+    # a key larger than that alone; every byte reads back.
+    with kvmove.MooncakeStore.embedded(global_segment_size="64mb") as store:
+        store.limits = dataclasses.replace(store.limits, call_bytes=20 << 10)
+        staging = make_staging({"a": (2, 4096)}, num_slots=24, page_tokens=1, seed=3)
+        desc = kvmove.describe(staging, list(range(12)), keyspace(12))
+        assert [(c.start, c.stop) for c in store._span_chunks(desc)] == [
+            (a, a + 2) for a in range(0, 12, 2)]
+        assert store.put(desc).all_ok
+        got = store.get(kvmove.describe(staging, list(range(12, 24)), desc.keys))
+        assert got.all_ok
+        t = staging.tensor("a")
+        assert torch.equal(t[:, 12:24], t[:, :12])
+        store.limits = dataclasses.replace(store.limits, call_bytes=4 << 10)
+        assert len(store._span_chunks(desc)) == 12  # each key alone, none left out
 
 
 def test_prepare_environment_raises_tcp_queues_unless_set():
