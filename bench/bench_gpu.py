@@ -366,7 +366,7 @@ class Goal:
 
 
 def goals(result: dict) -> list[Goal]:
-    """The issue's goals, each judged on the worst case it covers (every row size)."""
+    """The GPU path's goals, each judged on the worst case it covers (every row size)."""
     out = []
     for direction in ("gather", "scatter"):
         rs = [r for r in result.get("vs_bulk", []) if r["direction"] == direction]

@@ -2,7 +2,7 @@
 reading (put) and writing (get) the KV rows where they are, one span per row of every layer
 (what vLLM's own store connector does), through the same client and store, in the same run.
 
-Two workloads (the issue's):
+Two workloads:
 
 - block rows: 96 blocks of 16 KiB x 32 layers, one row per block and layer (vLLM's KV
   blocks; ``page_tokens=1``), scattered block ids;

@@ -1,5 +1,5 @@
 """Ratios and headline figures from a results file: each kvmove figure over its baselines
-from the same run, and the figures the issue's targets name (reported, never asserted)."""
+from the same run, and the figures the targets name (reported, never asserted)."""
 
 from __future__ import annotations
 

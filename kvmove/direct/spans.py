@@ -17,7 +17,7 @@ pool written from consecutive staging slots are one span per layer). Spans longe
 :data:`MAX_SPAN_BYTES` are cut; calls hold at most :data:`MAX_SPANS_PER_CALL` spans and
 about :data:`MAX_BYTES_PER_CALL` bytes.
 
-The call limits are Mooncake's (0.3.13, TCP; measured, see NOTES-issue-22.md): more than
+The call limits are Mooncake's (0.3.13, TCP; measured): more than
 about 2048 spans in flight from one engine to one peer fail the call (and under
 concurrency can break that connection for good), and a call's deadline does not grow with
 its span count, so calls stay at 1000 spans and tens of MiB, one at a time per peer.

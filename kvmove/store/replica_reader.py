@@ -4,7 +4,7 @@
 Mooncake 0.3.13's get reads only the *first* replica the master lists for a key; there is
 no fallback inside a call, no way to exclude a segment or pick a replica, and the master
 keeps listing a dead holder's replica as ``COMPLETE`` until its client TTL has passed. What
-it does allow (measured, NOTES-issue-21.md):
+it does allow (measured on 0.3.13.post1):
 
 - ``batch_get_replica_desc(keys)`` lists each key's replicas with the holder's transport
   endpoint (``host:port`` of its Transfer Engine), the object's address in the holder's

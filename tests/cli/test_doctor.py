@@ -1,4 +1,4 @@
-"""``kvmove doctor``'s look at the copy engine's binding (issue 19, item 2): on a GPU machine
+"""``kvmove doctor``'s look at the copy engine's binding: on a GPU machine
 a missing cuda-bindings is a note (pinned staging and the direct kernel need no binding),
 a problem where the copy engine is required (``--gpu-check``, what ``scripts/gpu_check.sh``
 stops on, with the fix named); a binding of another CUDA major than torch's is a note (it

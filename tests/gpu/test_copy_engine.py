@@ -3,7 +3,7 @@ kernel (batched and per-span copies, default and side streams, a ring small enou
 chunk); span copies on a side stream and 2-D grids, each in one batched call where the
 driver has ``cuMemcpyBatchAsync`` (and no batch refused: the autouse fixture fails any
 test whose batch the driver refused); registered host memory reached by the device at
-its UVA address, which is what ``cudaHostGetDevicePointer`` answers (issue 19, item 2)."""
+its UVA address, which is what ``cudaHostGetDevicePointer`` answers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The compiled Triton kernel on a GPU: against the torch backend with the KV on the GPU
 and pinned, device-accessible staging; one layer of a layer-wise scatter; bad rows counted
 and never written with ``check=False``; no new compile for a new batch size or for index
-slices at odd offsets (issue 19, item 8); graph capture with fixed index buffers."""
+slices at odd offsets; graph capture with fixed index buffers."""
 
 from __future__ import annotations
 

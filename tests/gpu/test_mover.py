@@ -4,8 +4,8 @@ calls that never wait for the device, with device indices, host indices as vLLM 
 them (pageable) and pinned ones, on the direct and the two-hop path (a busy device tells:
 no process-wide sync-debug mode racing with the mover's workers); ``wait_layer`` ordering
 the engine after each layer; a prefetch larger than the staging whose first piece misses
-(issue 19, item 3); a mover built on a live cache writes nothing (item 6); host indices the
-engine refills at once (item 5); device indices with a bad row; a cache on a second GPU."""
+runs nothing early; a mover built on a live cache writes nothing; host indices the
+engine refills at once; device indices with a bad row; a cache on a second GPU."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tuning on a GPU: a tuned key copies right and holds up when timed again; a mover built
 with ``KVMOVE_AUTOTUNE=1`` fills the user cache (tuning happens when a mover is built,
-never in a copy call: issue 19, item 1, the old test called ``kvmove.gather`` and found no
+never in a copy call: a test that calls ``kvmove.gather`` finds no
 file); ``backend="auto"`` takes the two-hop path where the user cache records it, seen in
 what the prepared copy chose and in the ring it used (the old test spied on a module
 attribute the copy path did not look up)."""

@@ -133,7 +133,7 @@ def test_index_slices_at_odd_offsets_select_no_new_kernel():
     """A piece of a call is a slice of its index tensor; at an odd element offset its
     pointer is 8- (int64) or 4-byte (int32) aligned, not 16. Triton keys a pointer's 16-byte
     alignment unless told not to, so such a piece would compile a kernel while serving that
-    the mover's warm-up (16-byte aligned indices) never compiled (issue 19, item 8)."""
+    the mover's warm-up (16-byte aligned indices) never compiled."""
     for dtype in (torch.int64, torch.int32):
         rows = torch.zeros(64, dtype=dtype)
         counter = torch.zeros(4, dtype=torch.int32)

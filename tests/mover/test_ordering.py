@@ -4,8 +4,7 @@ the stand-ins log every wait, record and synchronisation. The GPU tests
 (``tests/gpu/test_mover_streams.py``) check the same on a device.
 
 - Every piece of a prefetch larger than the staging waits for the caller's stream before
-  its scatter reads the caller's indices, also when an earlier piece scattered nothing
-  (issue 19, item 3).
+  its scatter reads the caller's indices, also when an earlier piece scattered nothing.
 - The mover's worker threads sleep on blocking events; they never spin on a stream or on a
   spinning event next to the engine's scheduler thread (item 8).
 - ``wait_layer`` raises what the prefetch raised; it never returns as if the layer were in

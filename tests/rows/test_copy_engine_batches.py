@@ -159,7 +159,7 @@ def test_pinning_needs_no_binding_the_device_address_is_the_host_address(
         without_cuda_bindings, monkeypatch):
     """Unified addressing: without cuda-bindings (and without cupy) the device address of
     registered mapped memory is its host address, and registering needs nothing but
-    torch's runtime (item 2 of issue 19: the first GPU run stopped on a missing cupy)."""
+    torch's runtime (no cupy)."""
     monkeypatch.setitem(sys.modules, "cupy", None)
     assert cuda_api.device_pointer(0x7F00_1234_5000) == 0x7F00_1234_5000
 

@@ -1,5 +1,5 @@
 """A prepared copy switches to its device around each run and back to the device the calling
-thread had, whatever other threads do meanwhile (issue 19, item 7). ``torch.cuda.device``
+thread had, whatever other threads do meanwhile. ``torch.cuda.device``
 keeps the device it replaced on the guard object, so one guard shared by threads (the
 prepared copy used to keep one) hands one thread the other's device. Watched on the CPU
 with a stand-in guard that has torch's logic over a per-thread current device."""

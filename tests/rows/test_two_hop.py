@@ -229,7 +229,7 @@ def test_two_hop_is_a_backend_and_auto_stays_torch_on_the_cpu():
 
 def test_device_resident_rows_are_refused_before_anything_is_read():
     """The two-hop path works out its spans on the host; reading device rows there waits for
-    the device (a host sync in the decode loop: issue 19, item 4). Device-resident rows go
+    the device (a host sync in the decode loop). Device-resident rows go
     to the direct kernel (:class:`PreparedCopy` routes them); given here they are refused
     before any value is read. Meta tensors stand for device memory: they hold no values, so
     reading one fails."""

@@ -120,7 +120,7 @@ def test_a_failed_autotune_never_breaks_the_copy(monkeypatch, caplog):
 
 def test_auto_backend_follows_the_recorded_path(monkeypatch):
     """What the GPU test of ``backend="auto"`` taking the recorded two-hop path rests on
-    (issue 19, item 1: that test spied on a name the copy path did not look up)."""
+    (a test that spies on a name the copy path does not look up can never fail)."""
     from kvmove.memory import cuda_api
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: GPU)
