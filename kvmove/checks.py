@@ -236,14 +236,22 @@ def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
     return arr
 
 
-def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str) -> np.ndarray:
+def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str, *,
+                 few_as_list: bool = False) -> np.ndarray | list[int]:
     """int64 page numbers of ``token_indices`` (``n * page_tokens`` token slots, page by
     page): the first slot of each page, which must start a page. Raises ``ValueError`` for a
     length that is not whole pages, or a page that does not start at a page boundary, and
     ``IndexError`` for a page outside ``0 .. num_pages - 1``; each names ``name`` and the
-    bad index."""
-    idx = as_int_array(token_indices, name)
+    bad index. ``few_as_list``: a few pages (a tensor of up to :data:`SMALL_ROWS` indices)
+    come as a list of ints, which is what they are worked out in."""
     p = page_tokens
+    if (type(token_indices) is torch.Tensor and token_indices.dim() == 1
+            and token_indices.numel() <= SMALL_ROWS and token_indices.is_cpu
+            and token_indices.dtype in INDEX_DTYPES):
+        pages = _small_page_numbers(token_indices.tolist(), p, num_pages)
+        if pages is not None:
+            return pages if few_as_list else np.array(pages, dtype=np.int64)
+    idx = as_int_array(token_indices, name)
     if idx.size % p:
         raise ValueError(f"{name} has {idx.size} entries, not a whole number of pages of "
                          f"{p} tokens")
@@ -261,6 +269,21 @@ def page_numbers(token_indices, page_tokens: int, num_pages: int, name: str) -> 
         i = int(np.flatnonzero((pages < 0) | (pages >= num_pages))[0])
         raise IndexError(f"{name}[{i * p}] = {int(first[i])} is page {int(pages[i])}, "
                          f"outside the pool's {num_pages} pages")
+    return pages
+
+
+def _small_page_numbers(idx: list[int], page_tokens: int, num_pages: int) -> list[int] | None:
+    """:func:`page_numbers` of a few indices, in Python (fewer fixed costs than numpy's
+    calls); None where they are not whole pages in range (the numpy path then says why)."""
+    if len(idx) % page_tokens:
+        return None
+    pages = idx if page_tokens == 1 else idx[::page_tokens]
+    if page_tokens > 1:
+        if any(first % page_tokens for first in pages):
+            return None
+        pages = [first // page_tokens for first in pages]
+    if pages and (min(pages) < 0 or max(pages) >= num_pages):
+        return None
     return pages
 
 

@@ -113,6 +113,27 @@ def test_check_slots_and_valid_tokens():
             checks.check_valid_tokens(bad, 2, 8)
 
 
+@given(st.lists(st.integers(-2, 40), max_size=300), st.sampled_from([1, 2, 4, 16]),
+       st.integers(1, 12), st.sampled_from([torch.int32, torch.int64]))
+def test_page_numbers_of_a_few_tensor_indices_agree_with_numpy(idx, page_tokens, num_pages,
+                                                               dtype):
+    """A few indices in a tensor are checked in Python ints: the same pages, or the same
+    error, as the numpy path gives for the same values."""
+    def outcome(value, **kwargs):
+        try:
+            pages = checks.page_numbers(value, page_tokens, num_pages, "idx", **kwargs)
+        except (ValueError, IndexError) as e:
+            return type(e), str(e)
+        return list(pages) if isinstance(pages, list) else pages.tolist()
+
+    expected = outcome(np.array(idx, dtype=np.int64))
+    assert outcome(torch.tensor(idx, dtype=dtype)) == expected
+    assert outcome(torch.tensor(idx, dtype=dtype), few_as_list=True) == expected
+    pages = checks.page_numbers(torch.tensor(idx, dtype=dtype), page_tokens, num_pages, "idx") \
+        if not isinstance(expected, tuple) else None
+    assert pages is None or (isinstance(pages, np.ndarray) and pages.dtype == np.int64)
+
+
 def test_page_numbers():
     assert checks.page_numbers(np.arange(8, 16), 4, 4, "idx").tolist() == [2, 3]
     with pytest.raises(ValueError, match="not a whole number of pages"):

@@ -174,3 +174,36 @@ def test_descriptors_from_lists_are_validated():
         Descriptors(["a"], [[4096]], [[0]])
     with pytest.raises(ValueError, match="repeats"):
         Descriptors(["a", "a"], [[4096], [8192]], [[1], [1]])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 9), st.sampled_from(ROW_BYTES)), min_size=1,
+                  max_size=3),
+    page_tokens=st.integers(1, 16),
+    layout=st.sampled_from(["layer_first", "page_first"]),
+    data=st.data(),
+)
+def test_few_keys_and_many_keys_describe_alike(rows, page_tokens, layout, data):
+    """A few spans are worked out in Python ints, many with numpy: the same descriptors,
+    either side of the threshold (made to fall on both sides here)."""
+    import kvmove.descriptors as descriptors
+
+    geometry = {f"b{i}": r for i, r in enumerate(rows)}
+    staging = make_staging(geometry, num_slots=40, page_tokens=page_tokens, seed=3,
+                           layout=layout)
+    n = data.draw(st.integers(1, 40))
+    slots = data.draw(st.permutations(range(40)))[:n]
+    v = data.draw(st.integers(1, page_tokens))
+    keys = [f"key{i}" for i in range(n)]
+    few = kvmove.describe(staging, slots, keys, valid_tokens=v)
+    saved = descriptors.SMALL_SPANS
+    descriptors.SMALL_SPANS = 0  # every batch through numpy
+    try:
+        many = kvmove.describe(staging, slots, keys, valid_tokens=v)
+    finally:
+        descriptors.SMALL_SPANS = saved
+    assert few.ptrs == many.ptrs and few.sizes == many.sizes
+    assert few.object_sizes() == many.object_sizes() and few.total_bytes == many.total_bytes
+    for i in range(n):
+        assert span_bytes(few, i) == canonical(staging, slots[i], v)

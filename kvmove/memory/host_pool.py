@@ -65,6 +65,10 @@ class HostPool:
     >>> desc = kvmove.describe(pool, pages, keys)   # then store.put(desc) / store.get(desc)
     """
 
+    # Its tensors are made once, here, and never replaced: what describes them may cache
+    # their addresses.
+    fixed_memory = True
+
     def __init__(self, buffers: Mapping[str, torch.Tensor], *, page_tokens: int,
                  layout: str):
         check_layout(layout, HOST_LAYOUTS)

@@ -32,6 +32,10 @@ class StagingBuffer:
     slot ``slot`` (the layouts differ only in where a layer's rows start and their pitch).
     """
 
+    # Its tensors are made once, here, and never replaced: what describes them may cache
+    # their addresses.
+    fixed_memory = True
+
     def __init__(self, kv: KVCache, num_slots: int = 1024, page_tokens: int = 64, *,
                  trailer_bytes: int = 0, layout: str = "layer_first"):
         if not isinstance(kv, KVCache):

@@ -17,13 +17,15 @@ GEOMETRIES = {
 }
 
 
-def make_staging(geometry: dict, *, num_slots: int, page_tokens: int, seed: int = 0):
-    """A StagingBuffer of ``geometry`` whose every byte is random."""
+def make_staging(geometry: dict, *, num_slots: int, page_tokens: int, seed: int = 0,
+                 layout: str = "layer_first"):
+    """A StagingBuffer of ``geometry`` (in ``layout``) whose every byte is random."""
     kv = kvmove.KVCache({
         name: torch.zeros(layers, 8, row_bytes, dtype=torch.uint8)
         for name, (layers, row_bytes) in geometry.items()
     })
-    staging = kvmove.StagingBuffer(kv, num_slots=num_slots, page_tokens=page_tokens)
+    staging = kvmove.StagingBuffer(kv, num_slots=num_slots, page_tokens=page_tokens,
+                                   layout=layout)
     g = torch.Generator().manual_seed(seed)
     for name in staging.buffer_names:
         t = staging.tensor(name)
@@ -33,11 +35,15 @@ def make_staging(geometry: dict, *, num_slots: int, page_tokens: int, seed: int 
 
 def canonical(staging, slot: int, valid_tokens: int) -> bytes:
     """The object bytes of the page in ``slot``: for each buffer in declaration order, for
-    each layer ascending, the first ``valid_tokens`` rows."""
+    each layer ascending, the first ``valid_tokens`` rows (of a page-first staging: token
+    by token, every layer's row of a token side by side)."""
     parts = []
     for name in staging.buffer_names:
         n = valid_tokens * staging.row_bytes(name)
         t = staging.tensor(name)
+        if staging.layout == "page_first":  # [slots, page_tokens, L, row_bytes]
+            parts.append(t[slot, :valid_tokens].numpy().tobytes())
+            continue
         parts.extend(t[layer, slot, :n].numpy().tobytes() for layer in range(t.shape[0]))
     return b"".join(parts)
 

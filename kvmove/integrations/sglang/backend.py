@@ -117,6 +117,9 @@ class KVMoveStorage(HiCacheStorage):
         if len(pages) != len(object_keys[0]):
             raise ValueError(f"{len(object_keys[0])} keys for {len(pages)} pages of "
                              f"host_indices")
+        if len(view.components) == 1:
+            pool = view.components[0]
+            return describe_trusted(pool, pages, object_keys[0], pool.page_tokens)
         return concat([describe_trusted(pool, pages, keys, pool.page_tokens)
                        for pool, keys in zip(view.components, object_keys, strict=True)])
 

@@ -36,12 +36,9 @@ class SGLangKeys:
         else:
             self.mha_suffix, self.mla_suffix = f"{tp_rank}", ""
 
-    @property
-    def suffixes(self) -> list[str]:
-        """The suffixes of a page's KV objects, in SGLang's order."""
-        if self.is_mla:
-            return [f"_{self.mla_suffix}_k"]
-        return [f"_{self.mha_suffix}_k", f"_{self.mha_suffix}_v"]
+        # The suffixes of a page's KV objects, in SGLang's order.
+        self.suffixes: tuple[str, ...] = ((f"_{self.mla_suffix}_k",) if self.is_mla else
+                                          (f"_{self.mha_suffix}_k", f"_{self.mha_suffix}_v"))
 
     def kv_objects(self, keys: Sequence[str]) -> list[list[str]]:
         """Per component (MLA: one, MHA: k then v), the object key of every page (one pass

@@ -38,11 +38,11 @@ class PoolView:
     page_size: int  # SGLang's tokens per page
     kind: str  # "mla", "mha" or "indexer", for messages
 
-    def pages_of(self, host_indices) -> np.ndarray:
-        """int64 page numbers of SGLang's ``host_indices`` (``n * page_size`` token slots):
-        see :func:`kvmove.checks.page_numbers`."""
+    def pages_of(self, host_indices) -> np.ndarray | list[int]:
+        """int64 page numbers of SGLang's ``host_indices`` (``n * page_size`` token slots;
+        a few come as a list of ints): see :func:`kvmove.checks.page_numbers`."""
         return page_numbers(host_indices, self.page_size, self.components[0].num_slots,
-                            "host_indices")
+                            "host_indices", few_as_list=True)
 
     def regions(self) -> list[tuple[int, int]]:
         return [r for c in self.components for r in c.regions()]
