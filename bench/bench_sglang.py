@@ -7,7 +7,8 @@ host pool pages, the real SGLang 0.5.23 classes and one embedded Mooncake master
    (``get_page_buffer_meta``, a Python loop over (page, layer), then
    ``_pack_multi_buffer_meta``), as its ``batch_get_v1`` / ``batch_set_v1`` call them,
    against kvmove's (object keys in one pass, ``HostPool.describe``: numpy, one
-   ``tolist()``). Default: 4096 one-token pages x 61 layers, layer_first and page_first.
+   ``tolist()``). Default: 8 and 4096 one-token pages x 61 layers (a decode step's few
+   pages, where fixed costs per call decide, and a large batch), layer_first and page_first.
    Target: >= 5x where there is per-(page, layer) work (layer_first: 61 spans per page);
    >= 1.0x with one span per page (page_first), where neither builder loops over layers.
 2. End to end: ``batch_set_v1`` of fresh pages, then ``batch_get_v1`` of them into another
@@ -94,15 +95,15 @@ def make_backends(model: str, page_first: bool):
     return sglang, ours
 
 
-def bench_describe(args, layout: str) -> dict:
-    pool = mla_pool(layout, layers=args.layers, page_size=1, tokens=args.pages)
+def bench_describe(args, layout: str, pages: int) -> dict:
+    pool = mla_pool(layout, layers=args.layers, page_size=1, tokens=pages)
     sglang, ours = make_backends(f"bench/describe-{uuid.uuid4().hex[:8]}",
                                  layout != "layer_first")
     try:
         sglang.register_mem_pool_host(pool)
         ours.register_mem_pool_host(pool)
-        keys = [uuid.uuid4().hex for _ in range(args.pages)]
-        idx = torch.arange(args.pages, dtype=torch.int64)
+        keys = [uuid.uuid4().hex for _ in range(pages)]
+        idx = torch.arange(pages, dtype=torch.int64)
 
         def sglang_meta():  # what SGLang's batch_get_v1 / batch_set_v1 do before the store
             return sglang._batch_preprocess(sglang._tag_keys(keys), idx)
@@ -122,7 +123,7 @@ def bench_describe(args, layout: str) -> dict:
         sglang.store.close()  # SGLang's close() leaves its Mooncake client open
         ours.close()
     med = {k: t.median for k, t in timing.items()}
-    return {"layout": layout, "pages": args.pages, "layers": args.layers, "page_size": 1,
+    return {"layout": layout, "pages": pages, "layers": args.layers, "page_size": 1,
             "spans_per_key": len(b.ptrs[0]), "median_s": med,
             "best_s": {k: min(t.samples) for k, t in timing.items()},
             "spread": {k: t.spread for k, t in timing.items()},
@@ -232,7 +233,8 @@ def _case(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pages", type=int, default=4096, help="pages of the descriptor build")
+    p.add_argument("--pages", type=int, nargs="+", default=[8, 4096],
+                   help="pages of the descriptor build (one build per count)")
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--repeat", type=int, default=9, help="descriptor build repeats")
     p.add_argument("--e2e-cases", nargs="+", type=_case, default=[(32, 16), (512, 1)],
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
                                         "bench/results/bench_sglang.json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.pages, args.repeat, args.e2e_repeat = 1024, 5, 4
+        args.pages, args.repeat, args.e2e_repeat = [8, 1024], 5, 4
         args.e2e_cases = [(16, 16), (256, 1)]
     master = kvmove.EmbeddedMaster()
     holder = kvmove.MooncakeStore(kvmove.StoreConfig(
@@ -268,7 +270,8 @@ def main(argv=None) -> int:
         import sglang
 
         result["sglang"] = sglang.__version__
-        result["describe"] = [bench_describe(args, layout) for layout in args.layouts]
+        result["describe"] = [bench_describe(args, layout, pages) for pages in args.pages
+                              for layout in args.layouts]
         result["end_to_end"] = [end_to_end_or_failure(args, layout, holder, *case)
                                 for case in args.e2e_cases for layout in args.layouts]
     finally:

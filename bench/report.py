@@ -297,8 +297,8 @@ def behind(data: dict) -> list[str]:
                            f"connector path ({name} suite)")
         for d in suite.get("describe", []) if isinstance(suite.get("describe"), list) else []:
             if d.get("speedup", 1.0) < 1.0:
-                out.append(f"- SGLang {d['layout']} descriptors: {d['speedup']:.2f}x SGLang's "
-                           "own")
+                out.append(f"- SGLang {d['layout']} descriptors, {d['pages']} pages: "
+                           f"{d['speedup']:.2f}x SGLang's own")
         for e in suite.get("end_to_end", []):
             for what in ("set", "get"):
                 value = e.get(f"speedup_{what}")

@@ -15,14 +15,15 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_bench_sglang_small(tmp_path):
     out = tmp_path / "bench_sglang.json"
     subprocess.run(
-        [sys.executable, "-m", "bench.bench_sglang", "--pages", "64", "--layers", "3",
+        [sys.executable, "-m", "bench.bench_sglang", "--pages", "8", "64", "--layers", "3",
          "--repeat", "2", "--e2e-cases", "4x4", "--e2e-repeat", "2",
          "--holder-bytes", str(256 << 20), "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     assert result["sglang"] == "0.5.23"
-    assert [d["layout"] for d in result["describe"]] == ["layer_first", "page_first"]
-    assert [d["spans_per_key"] for d in result["describe"]] == [3, 1]
+    assert [(d["layout"], d["pages"]) for d in result["describe"]] == [
+        ("layer_first", 8), ("page_first", 8), ("layer_first", 64), ("page_first", 64)]
+    assert [d["spans_per_key"] for d in result["describe"]] == [3, 1, 3, 1]
     for e in result["end_to_end"]:
         assert "failed" not in e, e
         assert e["speedup_set"] > 0 and e["speedup_get"] > 0
