@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
+import kvmove.descriptors as descriptors
 from kvmove.descriptors import Descriptors
 from tests.support.staging_data import GEOMETRIES, canonical, make_staging, span_bytes
 
@@ -187,8 +188,6 @@ def test_descriptors_from_lists_are_validated():
 def test_few_keys_and_many_keys_describe_alike(rows, page_tokens, layout, data):
     """A few spans are worked out in Python ints, many with numpy: the same descriptors,
     either side of the threshold (made to fall on both sides here)."""
-    import kvmove.descriptors as descriptors
-
     geometry = {f"b{i}": r for i, r in enumerate(rows)}
     staging = make_staging(geometry, num_slots=40, page_tokens=page_tokens, seed=3,
                            layout=layout)
