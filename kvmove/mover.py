@@ -171,6 +171,7 @@ class KVMover:
                                      layout=layout)
         self._checksum = PageChecksum(self.staging) if checksum else None
         self.page_tokens = page_tokens
+        self._page_rows = np.arange(page_tokens)  # a page's row numbers, for masks
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
         resolve_backend(backend, self.device)  # validates; "auto" is resolved per buffer
         self.backend = backend
@@ -572,9 +573,11 @@ class KVMover:
     def _scatter(self, piece: Call, slots: torch.Tensor, ok: np.ndarray, layerwise: bool,
                  progress: LayerProgress, ordered):
         """Scatter the pages of the keys in ``ok`` (and, on a device, without an out-of-range
-        row): all layers, or layer by layer reporting each to ``progress``. Returns on the
-        CPU once copied, on CUDA once the copy has finished on the prefetch stream (the
-        staging slots are freed after it); returns the CUDA event after it, or None."""
+        row), each page's first ``valid`` rows (the rows past them, which the object does not
+        hold, are left alone, as a get in place leaves them): all layers, or layer by layer
+        reporting each to ``progress``. Returns on the CPU once copied, on CUDA once the copy
+        has finished on the prefetch stream (the staging slots are freed after it); returns
+        the CUDA event after it, or None."""
         stream = self._prefetch_stream
         if not ok.any():
             return None
@@ -583,14 +586,19 @@ class KVMover:
                 stream.wait_event(ordered)
             pages = piece.pages
             device_bad = isinstance(piece.bad, torch.Tensor)
-            if device_bad or not ok.all():  # the others' pages become -1 (skipped)
-                mask = torch.from_numpy(ok)
+            keep = None if ok.all() else ok[:, None]  # [n, 1] or [n, page_tokens]
+            short = piece.valid < self.page_tokens
+            if short.any():
+                rows = self._page_rows[None, :] < piece.valid[:, None]
+                keep = rows if keep is None else keep & rows
+            if device_bad or keep is not None:  # the rows not kept become -1 (skipped)
+                mask = torch.from_numpy(np.ones((len(ok), 1), bool) if keep is None else keep)
                 if pages.is_cuda:
                     mask = to_device(mask, pages.device)  # no wait for the stream
                 if device_bad:
                     piece.fetch_bad()
-                    mask = mask & ~piece.bad
-                pages = torch.where(mask[:, None], pages, -1)
+                    mask = mask & ~piece.bad[:, None]
+                pages = torch.where(mask, pages, -1)
             event = None
             plan = plan_pages(self._scatter_all, pages, slots)  # one plan for every layer
             for prepared in (self._scatter_layer if layerwise else (self._scatter_all,)):

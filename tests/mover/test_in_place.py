@@ -104,8 +104,11 @@ def test_both_paths_store_the_same_objects_and_read_each_others(movers, store, k
         d = dst[reader].clone()
         d[2, 2] = -1  # a row the prefetch leaves alone
         untouched = rows_bytes(kv, dst[reader][2, 2:3])
+        scribble(kv, d[3, 3:])  # past the short page's valid rows: left alone too
+        past_valid = rows_bytes(kv, d[3, 3:])
         got = pair[reader].prefetch(keys[writer], d, valid_tokens=valid).wait(30)
         assert got == [Status.OK] * 4
+        assert rows_bytes(kv, d[3, 3:]) == past_valid, reader
         for i, v in enumerate(valid):
             page = d[i, :v]
             if i == 2:  # without the hole
