@@ -8,6 +8,7 @@ for, so callers leave those to the kernel's error counter.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Sequence
 
@@ -206,10 +207,20 @@ def check_slots(slots, n: int, num_slots: int) -> np.ndarray:
     return arr
 
 
+@functools.lru_cache(maxsize=256)
+def _same_valid(n: int, valid: int) -> np.ndarray:
+    """``n`` times ``valid`` (int64), read-only: one array for every call of that size."""
+    arr = np.full(n, valid, dtype=np.int64)
+    arr.flags.writeable = False
+    return arr
+
+
 def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
-    """One int64 ``valid_tokens`` per key."""
+    """One int64 ``valid_tokens`` per key. For ``None`` (whole pages) or one int the array is
+    read-only and shared between calls (a mover's call returns in tens of µs; a new array
+    is a visible part of that)."""
     if valid_tokens is None:
-        return np.full(n, page_tokens, dtype=np.int64)
+        return _same_valid(n, page_tokens)
     if isinstance(valid_tokens, (bool, float, np.bool_, np.floating)):
         raise TypeError(f"valid_tokens must be an int or one int per key, got {valid_tokens!r}")
     if isinstance(valid_tokens, (int, np.integer)) or (
@@ -222,7 +233,7 @@ def check_valid_tokens(valid_tokens, n: int, page_tokens: int) -> np.ndarray:
         v = int(valid_tokens)
         if not 1 <= v <= page_tokens:
             raise ValueError(f"valid_tokens = {v} is outside 1..{page_tokens} (page_tokens)")
-        return np.full(n, v, dtype=np.int64)
+        return _same_valid(n, v)
     arr = as_int_array(valid_tokens, "valid_tokens")
     if arr.size != n:
         raise ValueError(f"valid_tokens has {arr.size} entries for {n} keys; give one per key")

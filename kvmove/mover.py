@@ -619,7 +619,7 @@ class KVMover:
         if not got:
             return
         idx = torch.tensor(got, dtype=torch.int64)
-        valid = torch.from_numpy(valid)[idx]
+        valid = torch.from_numpy(valid[got])  # a copy: the call's array may be read-only
         for i, good in zip(got, self._checksum.matches(slots[idx], valid).tolist(), strict=True):
             if not good:
                 statuses[i], codes[i] = Status.FAILED, CHECKSUM_MISMATCH

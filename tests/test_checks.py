@@ -107,6 +107,12 @@ def test_check_slots_and_valid_tokens():
     assert checks.check_valid_tokens(3, 2, 8).tolist() == [3, 3]
     assert checks.check_valid_tokens(torch.tensor(5), 1, 8).tolist() == [5]
     assert checks.check_valid_tokens([1, 8], 2, 8).tolist() == [1, 8]
+    # None and one int give one read-only array per (keys, tokens), shared between calls.
+    shared = checks.check_valid_tokens(None, 3, 8)
+    assert shared is checks.check_valid_tokens(8, 3, 8) and not shared.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        shared[0] = 1
+    assert checks.check_valid_tokens([1, 8], 2, 8).flags.writeable  # the caller's, copied
     for bad, error in ((0, ValueError), (9, ValueError), (2.0, TypeError), (True, TypeError),
                        ([1], ValueError), ([1, 0], ValueError), (torch.tensor(1.0), TypeError)):
         with pytest.raises(error, match="valid_tokens"):

@@ -4,6 +4,8 @@ reaches the KV cache."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -77,6 +79,31 @@ def test_corrupted_stored_object_is_detected_and_never_scattered(store, keyspace
         assert mover.staging.num_free == 8
     finally:
         mover.close()
+
+
+@pytest.mark.parametrize("valid_tokens", [None, 3])
+def test_checksummed_round_trip_with_shared_valid_tokens(store, keyspace, valid_tokens):
+    """``valid_tokens`` given as None or one int is one read-only array shared between
+    calls: the checksum's write and its check before the scatter read it without a write
+    or a warning, and the bytes arrive."""
+    kv = hybrid(16)
+    v = 4 if valid_tokens is None else valid_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, checksum=True) as m:
+            keys = keyspace(2)
+            before = snapshot(kv)
+            assert m.evict(keys, torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]),
+                           valid_tokens=valid_tokens).wait(30) == [kvmove.Status.OK] * 2
+            assert m.prefetch(keys, torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]]),
+                              valid_tokens=valid_tokens).wait(30) == [kvmove.Status.OK] * 2
+    after = snapshot(kv)
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            got, was = after[name][layer], before[name][layer]
+            for dst, src in ((8, 0), (12, 4)):
+                assert torch.equal(got[dst:dst + v], was[src:src + v])
+                assert torch.equal(got[dst + v:dst + 4], was[dst + v:dst + 4])  # past valid
 
 
 def test_checksummed_and_plain_objects_live_in_different_namespaces(store, keyspace):

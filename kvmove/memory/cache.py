@@ -98,6 +98,10 @@ class KVCache:
         if len(set(devices.values())) != 1:
             raise ValueError(f"buffers must live on one device, got {devices}")
         self._pool = RowPool(rows, kind="KVCache")
+        # Fixed with the tensors; read on every call of a mover (as plain attributes: a
+        # property's pass over the buffers is a visible part of a call that returns in µs).
+        self._num_slots = rows[0].num_rows
+        self._max_layers = max(r.num_layers for r in rows)
 
     # -- description ---------------------------------------------------------------------
     @property
@@ -122,7 +126,7 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return next(iter(self._pool.buffers.values())).num_rows
+        return self._num_slots
 
     @property
     def device(self) -> torch.device:
@@ -130,7 +134,7 @@ class KVCache:
 
     @property
     def max_layers(self) -> int:
-        return max(b.num_layers for b in self._pool.buffers.values())
+        return self._max_layers
 
     def geometry(self) -> list[tuple[str, int, int, str, tuple[int, ...]]]:
         """(name, layers, row_bytes, dtype, row_shape) per buffer, in declaration order."""
