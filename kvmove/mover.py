@@ -297,8 +297,9 @@ class KVMover:
         OK into ``token_pages`` ``[n, page_tokens]`` (``-1`` = leave that KV row alone). With
         ``layerwise=True`` the scatter runs layer by layer and ``Transfer.wait_layer(l)``
         returns as soon as layer ``l`` is in place. Rows of missing or failed keys are left
-        untouched. ``valid_tokens`` must match what the pages were evicted with. Returns as
-        soon as the work is scheduled."""
+        untouched. ``valid_tokens`` must match what the pages were evicted with; a page's rows
+        past its valid tokens are left alone (the object does not hold them). Returns as soon
+        as the work is scheduled."""
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
