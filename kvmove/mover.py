@@ -200,6 +200,10 @@ class KVMover:
                 self._rings = prepare_rings(kv.row_pool, self.staging.num_rows)
             self._warm_up()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
+        # Puts never wait for slots; prefetch jobs do: on one pool, prefetches waiting for
+        # slots could hold every worker while the puts that free them wait in the queue.
+        self._put_executor = ThreadPoolExecutor(max_workers=workers,
+                                                thread_name_prefix="kvmove-put")
         self._lock = threading.Lock()
         self._inline = 0  # in-place puts running on callers' threads (CPU evict)
         self._inline_done = threading.Condition(self._lock)
@@ -280,7 +284,8 @@ class KVMover:
                 t0 = time.perf_counter()
                 gathered = self._run_gather(piece, slots, call.ordered)  # every piece waits
                 gather_s = time.perf_counter() - t0
-                future = self._submit(self._put_job, piece, slots, gathered, gather_s)
+                future = self._submit(self._put_job, piece, slots, gathered, gather_s,
+                                      executor=self._put_executor)
             except BaseException:
                 if gathered is not None:  # a CUDA gather may still be writing into the slots
                     gathered.synchronize()
@@ -332,6 +337,8 @@ class KVMover:
                 f"page_tokens is {self.page_tokens}"
             )
         valid = check_valid_tokens(valid_tokens, n, self.page_tokens)
+        if valid.flags.writeable:  # may be the caller's memory, which it may reuse at once
+            valid = valid.copy()
         limit = self.kv.num_slots
         if pages.is_cuda:  # copied and checked on the caller's stream: no host reads
             pages = pages.to(torch.int64, copy=True)
@@ -379,6 +386,7 @@ class KVMover:
         with self._lock:
             first, self._closed = not self._closed, True
         self._executor.shutdown(wait=True)
+        self._put_executor.shutdown(wait=True)
         with self._inline_done:  # in-place puts on callers' threads
             self._inline_done.wait_for(lambda: self._inline == 0)
         if not first:
@@ -461,13 +469,13 @@ class KVMover:
         return desc.with_trailer((slots * trailer.shape[1] + trailer.data_ptr()).tolist(),
                                  trailer.shape[1])
 
-    def _submit(self, fn, *args) -> Future:
+    def _submit(self, fn, *args, executor=None) -> Future:
         """Queue a background job, unless the mover was closed meanwhile (then the caller
         frees its slots and the call raises ``KVMoveError``)."""
         with self._lock:
             if self._closed:
                 raise KVMoveError("the KVMover is closed")
-            return self._executor.submit(fn, *args)
+            return (executor or self._executor).submit(fn, *args)
 
     def _count(self, result: TransferResult, *, put: bool) -> None:
         with self._lock:
@@ -648,24 +656,31 @@ class KVMover:
         overwrite them then). On CUDA it runs in the background after the caller's work,
         and ``transfer.gathered`` completes when it ends."""
         if self.device.type != "cuda":
-            with self._lock:
-                if self._closed:
+            with self._inline_run() as allowed:
+                if not allowed:
                     raise KVMoveError("the KVMover is closed")
-            with self._inline_run():
                 transfer.add_piece(0, self._put_in_place(call))
             return transfer
-        future = self._submit(self._put_in_place, call)
+        future = self._submit(self._put_in_place, call, executor=self._put_executor)
         transfer.add_piece(0, future)
         transfer.gathered = FutureEvent(future)
         return transfer
 
     @contextlib.contextmanager
     def _inline_run(self):
-        """Count a transfer that runs on a caller's thread (``close()`` waits for them)."""
+        """Count a transfer that runs on a caller's thread (``close()`` waits for them);
+        yields False, counting nothing, once the mover is closed."""
         with self._lock:
-            self._inline += 1
+            if self._closed:
+                allowed = False
+            else:
+                allowed = True
+                self._inline += 1
+        if not allowed:
+            yield False
+            return
         try:
-            yield
+            yield True
         finally:
             with self._inline_done:
                 self._inline -= 1

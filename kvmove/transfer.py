@@ -50,8 +50,10 @@ class StealableJob(Future):
     """A job queued for a worker thread that the first thread to wait for it runs itself,
     when no worker has started it yet (that waiter would only block meanwhile; on a busy
     machine a worker can take milliseconds to be scheduled). Runs exactly once, either way;
-    a waiter's run is inside ``guard()`` (the mover counts such runs, so that ``close()``
-    waits for them too). A :class:`~concurrent.futures.Future` for everything else."""
+    a waiter's run is inside ``guard()``, entered before the job is claimed (the mover
+    counts such runs, so that ``close()`` waits for them too; a guard that yields ``False``
+    refuses, and the queued job runs on its worker). A
+    :class:`~concurrent.futures.Future` for everything else."""
 
     def __init__(self, fn, guard):
         super().__init__()
@@ -78,8 +80,10 @@ class StealableJob(Future):
 
     def steal(self) -> None:
         """Run the job here unless a worker (or another waiter) has started it."""
-        if self._claim():
-            with self._guard():
+        if self._claimed:  # a worker (or another waiter) has it
+            return
+        with self._guard() as allowed:  # counted before the claim: close() waits for it
+            if allowed is not False and self._claim():
                 self._execute()
 
     def result(self, timeout=None):

@@ -10,6 +10,7 @@ batch call): the real Mooncake call still runs, before or after the gate.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -303,6 +304,123 @@ def test_mover_close_racing_callers_leaks_no_slot(store, keyspace):
     outcomes = close_while_calling(evict, mover.close)
     assert outcomes["submitted"] > 0 and outcomes["refused"] > 0, outcomes
     assert mover.staging.num_free == mover.staging.num_slots
+
+
+def test_prefetches_waiting_for_slots_never_hold_up_the_puts_that_free_them(store, keyspace,
+                                                                           monkeypatch):
+    # Two slots, two workers: a held put keeps one slot; two prefetches of two keys each wait
+    # for slots; a later evict takes the other slot. Its put must run although every get
+    # worker waits: the prefetches then get their slots and every key arrives.
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=2, alloc_timeout=5.0,
+                           path="staged", key_prefix="starve")
+    try:
+        keys = keyspace(6)
+        want = [page_bytes(kv, p) for p in pages(0, 4)]
+        assert mover.evict(keys[:4], pages(0, 4)).wait(30) == [Status.OK] * 4
+        gate = Gate(store, monkeypatch, call="batch_put_from_multi_buffers")
+        held = mover.evict(keys[4:5], pages(16, 1))
+        gate.wait_entered()
+        first = mover.prefetch(keys[:2], pages(32, 2))
+        second = mover.prefetch(keys[2:4], pages(40, 2))
+        time.sleep(0.2)  # both prefetches are waiting for slots (or queued behind that)
+        later = mover.evict(keys[5:6], pages(20, 1))
+        gate.open()
+        assert first.result(30).statuses == [Status.OK] * 2, first.result(0).codes
+        assert second.result(30).statuses == [Status.OK] * 2, second.result(0).codes
+        assert held.wait(30) == [Status.OK] and later.wait(30) == [Status.OK]
+        for i, p in enumerate(pages(32, 4)):
+            assert page_bytes(kv, p) == want[i]
+        assert mover.staging.num_free == 2
+    finally:
+        mover.close()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_valid_tokens_are_taken_at_call_time(store, keyspace, monkeypatch, kind):
+    # The engine may reuse its valid_tokens buffer once evict() returns, as it may reuse its
+    # index tensors: what is stored is what the call was given.
+    kv = hybrid(64)
+    with kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=8, workers=1,
+                        key_prefix=f"vt-{kind}") as mover:
+        keys = keyspace(3)
+        want = [page_bytes(kv, p) for p in pages(0, 2)]
+        gate = Gate(store, monkeypatch, call="batch_put_from_multi_buffers")
+        first = mover.evict(keys[2:], pages(16, 1))  # its put holds the only worker
+        gate.wait_entered()
+        valid = torch.tensor([PAGE, PAGE])
+        if kind == "ndarray":
+            valid = valid.numpy()
+        t = mover.evict(keys[:2], pages(0, 2), valid_tokens=valid)
+        valid[:] = 1
+        gate.open()
+        assert t.wait(30) == [Status.OK] * 2 and first.wait(30) == [Status.OK]
+        assert mover.prefetch(keys[:2], pages(8, 2)).wait(30) == [Status.OK] * 2
+        for i, p in enumerate(pages(8, 2)):
+            assert page_bytes(kv, p) == want[i]
+
+
+@pytest.mark.parametrize("call", ["prefetch", "evict"])
+def test_close_waits_for_in_place_work_on_a_callers_thread(store, keyspace, call):
+    # In place on the CPU a caller's thread runs the store call itself: an evict always, a
+    # prefetch when its wait() finds the job not started. A caller paused between deciding
+    # to run it and being counted (widened here to 0.3 s) must either be refused or be
+    # waited for by close(): never run after close() returned (it would register the KV
+    # memory again, and write a padding row into freed memory).
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
+                           path="in_place", key_prefix=f"late-{call}")
+    keys = keyspace(2)
+    regions = set(mover._rows.regions())
+    ran_at: list[float] = []
+    job = "_get_in_place" if call == "prefetch" else "_put_in_place"
+    inner_job, inner_guard = getattr(mover, job), mover._inline_run
+
+    def timed(*args):
+        try:
+            return inner_job(*args)
+        finally:
+            ran_at.append(time.monotonic())
+
+    @contextlib.contextmanager
+    def paused_guard():
+        time.sleep(0.3)
+        with inner_guard() as allowed:
+            yield allowed
+
+    gate = threading.Event()
+    out: dict = {}
+    if call == "prefetch":
+        assert mover.evict(keys[:1], pages(0, 1)).wait(30) == [Status.OK]
+        mover._executor.submit(gate.wait)  # the only worker is busy: wait() runs the job
+        setattr(mover, job, timed)
+        mover._inline_run = paused_guard
+        t = mover.prefetch(keys[:1], torch.tensor([[8, 9, -1, 11]]))
+        caller = threading.Thread(target=lambda: out.setdefault("st", t.wait(30)))
+    else:
+        setattr(mover, job, timed)
+        mover._inline_run = paused_guard
+
+        def evict():
+            try:
+                out["st"] = mover.evict(keys[1:], pages(4, 1)).wait(30)
+            except kvmove.KVMoveError as e:
+                out["refused"] = str(e)
+
+        caller = threading.Thread(target=evict)
+    caller.start()
+    time.sleep(0.1)  # the caller is paused before the count
+    closer = threading.Thread(target=mover.close)
+    closer.start()
+    time.sleep(0.05)
+    gate.set()
+    closer.join(30)
+    closed_at = time.monotonic()
+    caller.join(30)
+    assert not closer.is_alive() and not caller.is_alive()
+    assert all(t <= closed_at for t in ran_at), "the store call ran after close() returned"
+    assert out.get("st") == [Status.OK] or "closed" in out.get("refused", ""), out
+    assert not regions & set(registered_regions(store))
 
 
 def test_store_close_while_transfers_run_waits_then_fails_new_calls(keyspace, monkeypatch):
