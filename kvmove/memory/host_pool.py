@@ -88,7 +88,10 @@ class HostPool:
             view, layers, row_bytes, num_pages = self._view(name, t)
             self._tensors[name], self._layers[name], self._rows[name] = view, layers, row_bytes
             pages[name] = num_pages
-            self._regions.append((t.data_ptr(), t.numel() * t.element_size()))
+            # From the first byte to the last: a pool may be a strided view (the first
+            # tokens of each layer, some of the layers), whose spans reach past numel.
+            last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            self._regions.append((t.data_ptr(), (last + 1) * t.element_size()))
         if len(set(pages.values())) != 1:
             raise ValueError(f"buffers must hold the same number of pages, got {pages}")
         self.num_slots = next(iter(pages.values()))

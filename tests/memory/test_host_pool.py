@@ -64,6 +64,25 @@ def test_objects_are_the_engine_pages(layout, layers, page, data):
         assert desc.ptrs == want and desc.sizes[0] == [page * row] * layers
 
 
+@pytest.mark.parametrize("layout, pool", [
+    ("layer_first", lambda: mla_pool("layer_first", 4, 64, 4)[:, :16]),  # first tokens
+    ("page_first_direct", lambda: mla_pool("page_first_direct", 6, 16, 4)[:, :3]),  # layers
+])
+def test_strided_pools_register_every_byte_their_spans_name(layout, pool):
+    t = pool()
+    assert not t.is_contiguous()
+    hp = kvmove.HostPool({"kv": t}, page_tokens=4, layout=layout)
+    desc = kvmove.describe(hp, list(range(hp.num_slots)), [f"k{i}" for i in range(hp.num_slots)])
+    assert list(desc.regions) == hp.regions()
+    for i in range(hp.num_slots):
+        assert object_bytes(desc, i) == page_bytes(t, layout, 4, i)
+        for ptr, size in zip(desc.ptrs[i], desc.sizes[i], strict=True):
+            assert any(a <= ptr and ptr + size <= a + n for a, n in hp.regions()), (i, ptr)
+    (start, nbytes), = hp.regions()  # and no further than the last byte of the view
+    last = t[(-1,) * t.dim()]
+    assert start + nbytes == last.data_ptr() + t.element_size()
+
+
 def test_mha_halves_as_separate_objects_in_one_batch():
     layers, size, page, heads, dim = 3, 16, 4, 2, 8
     g = torch.Generator().manual_seed(1)
