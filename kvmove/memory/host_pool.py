@@ -90,7 +90,8 @@ class HostPool:
             pages[name] = num_pages
             # From the first byte to the last: a pool may be a strided view (the first
             # tokens of each layer, some of the layers), whose spans reach past numel.
-            last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            last = sum((size - 1) * stride
+                       for size, stride in zip(t.shape, t.stride(), strict=True))
             self._regions.append((t.data_ptr(), (last + 1) * t.element_size()))
         if len(set(pages.values())) != 1:
             raise ValueError(f"buffers must hold the same number of pages, got {pages}")
