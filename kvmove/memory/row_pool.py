@@ -188,13 +188,9 @@ class BufferRows:
 
 def shared_wide_type(a: BufferRows, b: BufferRows, unit: int) -> torch.dtype:
     """The widest element type that tiles units of ``unit`` rows on both sides of a copy
-    (cached with ``a``)."""
-    key = ("shared width", id(b), unit)
-    dtype = a._tables.get(key)
-    if dtype is None:
-        dtype = min(a.widest_type(unit), b.widest_type(unit), key=lambda t: t.itemsize)
-        a._tables[key] = dtype
-    return dtype
+    (each side's width is cached with it; nothing is cached under the other side's
+    ``id()``, which a later buffer may reuse)."""
+    return min(a.widest_type(unit), b.widest_type(unit), key=lambda t: t.itemsize)
 
 
 class RowPool:

@@ -315,3 +315,26 @@ def test_stacked_caches_move_every_layer_in_one_view(layers, pad):
         if layer in chosen:
             want[back, :656] = before[layer, rows, :656]
         assert torch.equal(full[layer], want)  # the padding between rows untouched too
+
+
+def test_a_new_destination_never_inherits_a_dropped_ones_element_type():
+    # The element type a copy moves in suits both sides. A destination of 16-byte-aligned
+    # padded rows moves in 16-byte words; once it is gone, a new one at an odd address (only
+    # bytes tile it) may get the same Python id: its copies must still move bytes.
+    src = kvmove.KVCache({"kv": torch.randint(0, 256, (2, 64, 16), dtype=torch.uint8)})
+    rows = torch.arange(0, 8)
+
+    def padded_rows(offset: int) -> kvmove.KVCache:  # pitch 32, rows of 16, at ``offset``
+        raw = torch.zeros(2, 64 * 32 + 32, dtype=torch.uint8)
+        return kvmove.KVCache({"kv": [raw[i, offset:offset + 64 * 32].view(64, 32)[:, :16]
+                                      for i in range(2)]})
+
+    for _ in range(200):  # CPython reuses an address within tens of rounds here
+        aligned = padded_rows(0)
+        kvmove.copy_rows(src, rows, aligned, rows, backend="torch")
+        del aligned
+        src.row_pool.prepared.clear()  # as the prepared copies' LRU drops it in time
+        odd = padded_rows(1)
+        kvmove.copy_rows(src, rows, odd, rows, backend="torch")
+        for layer in range(2):
+            assert torch.equal(odd.layer("kv", layer)[rows], src.layer("kv", layer)[rows])
