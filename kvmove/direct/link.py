@@ -14,6 +14,26 @@ destroyed once the call has returned. Only then does the failed job give its slo
 Mooncake does not cancel a failed write, its engine may go on reading the source until it
 is destroyed. The sender makes a new link (a fresh engine) for the next send to that
 receiver.
+
+First contact is a call of its own (:meth:`PeerLink._contact`). A receiver stopped before
+it holds the handshake for a minute, and that wait is the one Mooncake does not bound
+itself. If that wait came inside the first job's write, the job's slots would stay held
+until the call returned. The staging is shared by every receiver, so that would starve
+sends to healthy ones. So the link's engine first makes a write of no span: Mooncake opens
+the peer's segment (the handshake) before it looks at the spans, and it caches it for the
+writes that follow. The watchdog watches that write like any other. The job's staging is
+registered and handed to the engine only after that write returned 0. Once the watchdog
+gives up on a contact, nothing of the job can be read, so it gives its slots back at once.
+Other designs were weighed and dropped:
+
+- Freeing a given-up write's slots at once is unsafe: from outside, a call stuck in the
+  handshake cannot be told from one already reading the staging.
+- A share of the slots per receiver would cap a sender with one receiver, and a few
+  stalled receivers would still take every slot.
+
+After contact, a receiver that stops answering fails its write within
+``MC_TRANSFER_TIMEOUT`` (5 s; measured over TCP), so a write holds its slots at most that
+long. The cost is one empty call per engine, a fraction of a millisecond on loopback.
 """
 
 from __future__ import annotations
@@ -39,7 +59,9 @@ class PeerLink:
         self._watchdog = watchdog
         self._jobs: deque[SendJob] = deque()
         self._cond = threading.Condition()
-        self._call: tuple[object, SendJob] | None = None  # the call in flight
+        self._call: tuple[object, SendJob, bool] | None = None  # in flight: token, job,
+        # whether it is the first contact (no span: the job's staging is not the engine's)
+        self._contacted = False  # the first contact returned 0: the peer's segment is open
         self._broken = False
         self._closing = False
         self._finished = False
@@ -86,11 +108,13 @@ class PeerLink:
     def abandon(self, token: object) -> None:
         """The watchdog: call ``token`` has not returned in time. Its job ends ``FAILED``
         (``WRITE_TIMEOUT``) for every page it had not landed, the queued jobs end
-        ``FAILED`` (``NOT_SENT``) at once."""
+        ``FAILED`` (``NOT_SENT``) at once. The job of a first contact also gives its slots
+        back at once (the engine never got its staging); any other job waits until the
+        engine is destroyed."""
         with self._cond:
             if self._call is None or self._call[0] is not token:
                 return  # it returned meanwhile
-            job = self._call[1]
+            _, job, contact = self._call
             self._broken = self.abandoned = True
             self.broken_at = time.monotonic()
             queued = list(self._jobs)
@@ -99,6 +123,8 @@ class PeerLink:
         log.warning("no answer from %s within %g s; its pages are FAILED", self.peer,
                     self._watchdog.timeout)
         job.finish(WRITE_TIMEOUT)
+        if contact:
+            job.release()
         _fail(queued)
 
     # -- the link's thread ----------------------------------------------------------------
@@ -135,8 +161,43 @@ class PeerLink:
             self._finished = True
             self._cond.notify_all()
 
+    def _watched(self, job: SendJob, contact: bool, srcs, dsts, lengths) -> tuple[int, bool]:
+        """One write under the watchdog: its code and whether the watchdog gave up on it."""
+        token = object()
+        with self._cond:
+            self._call = (token, job, contact)
+        self._watchdog.arm(self, token)
+        try:
+            rc = self.engine.write(self.peer, srcs, dsts, lengths)
+        finally:
+            self._watchdog.disarm(token)
+            with self._cond:
+                self._call = None
+                abandoned = self.abandoned
+        return rc, abandoned
+
+    def _contact(self, job: SendJob) -> bool:
+        """First contact with the peer, for ``job``: a write of no span. See the module
+        doc. False when the watchdog gave up on it: then ``job`` is ``FAILED`` and its
+        slots are back. A contact that returns an error in time proves nothing about the
+        peer (a transport may refuse a write of no span): the job's own write goes ahead
+        and fails or lands as it would have without one."""
+        rc, abandoned = self._watched(job, True, [], [], [])
+        if not abandoned:
+            if rc != 0:
+                log.debug("first contact with %s returned %d (%s); writing anyway",
+                          self.peer, rc, code_name(rc))
+            self._contacted = True
+            return True
+        job.finish(WRITE_TIMEOUT)
+        job.release()  # the engine never got its staging
+        return False
+
     def _run(self, job: SendJob) -> bool:
-        """Make the job's calls; whether every one returned 0."""
+        """Make the job's calls (after first contact, if not made yet); whether every one
+        returned 0."""
+        if not self._contacted and not self._contact(job):
+            return False
         try:
             self.engine.register(job.regions)
         except KVMoveError as e:
@@ -147,15 +208,7 @@ class PeerLink:
             job.gathered.synchronize()
         t0 = time.perf_counter()
         for k in range(job.plan.num_calls):
-            token = object()
-            with self._cond:
-                self._call = (token, job)
-            self._watchdog.arm(self, token)
-            rc = self.engine.write(self.peer, *job.plan.call(k))
-            self._watchdog.disarm(token)
-            with self._cond:
-                self._call = None
-                abandoned = self.abandoned
+            rc, abandoned = self._watched(job, False, *job.plan.call(k))
             if rc != 0 or abandoned:
                 if not abandoned:
                     log.warning("a write of %d spans to %s failed (%d, %s); its pages are "

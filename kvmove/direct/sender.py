@@ -87,8 +87,12 @@ class PageSender:
     write that fails or does not return within ``call_timeout`` seconds ends ``FAILED``
     for the pages it had not landed; that engine is then destroyed (Mooncake's only way to
     stop a failed write from reading the staging) and its slots come back after it; the
-    next send to that receiver makes a new one. A receiver that is gone (killed, closed)
-    fails in under a second, one that stopped answering within ``call_timeout`` (8 s).
+    next send to that receiver makes a new one. First contact with a receiver is a call
+    of no data, made before any of the staging is handed to the engine, so the slots of
+    sends to a receiver that stopped answering at first contact come back once their pages
+    are ``FAILED``, not when the stuck handshake returns a minute later. A receiver that is
+    gone (killed, closed) fails in under a second, one that stopped answering within
+    ``call_timeout`` (8 s).
 
     ``alloc_timeout``: seconds a send waits for free staging slots before
     :class:`kvmove.StagingFull` (first piece; nothing was sent) or ``FAILED`` pages (code
@@ -188,9 +192,10 @@ class PageSender:
 
     def close(self) -> None:
         """Wait for the transfers in flight (each write ends within ``call_timeout``),
-        destroy the engines, free the staging. Idempotent. A write the transport never
-        returned (a receiver that stopped answering at first contact) is left to its
-        thread, which destroys its engine and lets the staging go when it returns."""
+        destroy the engines, free the staging. Idempotent. A call the transport never
+        returned in time (a receiver that stopped answering at first contact) is left to
+        its thread, which destroys its engine when it returns (if that call was a write of
+        the staging, the staging is freed only then)."""
         with self._lock:
             if self._closed:
                 return

@@ -182,6 +182,32 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     assert time.monotonic() - t0 < 10  # not the minute the stalled handshake takes
 
 
+def test_a_receiver_stalled_at_first_contact_gives_its_staging_back_at_once(
+        receivers, victim, kv_bytes):
+    # The staging is shared by every receiver: the slots of sends to a receiver stalled at
+    # first contact must come back when its pages are FAILED (call_timeout), not when
+    # Mooncake's stuck handshake returns (a minute), or sends to healthy receivers starve.
+    rx = Remote(victim, spec("layer_first"), seed=12)
+    other = receivers["layer_first"]
+    tx = kvmove.PageSender(kvmove.KVCache(kv_bytes), page_tokens=P, staging_slots=4,
+                           call_timeout=2, alloc_timeout=4, hostname="127.0.0.1")
+    try:
+        victim.signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        first = tx.send(rx.handle, pages(0, 2), [0, 1])
+        behind = tx.send(rx.handle, pages(8, 2), [2, 3])  # every slot taken now
+        assert first.result(30).codes == [WRITE_TIMEOUT] * 2
+        assert behind.result(30).codes == [NOT_SENT] * 2
+        expected = other.expect(kv_bytes, pages(16, 4), [9, 10, 11, 12])
+        # Every slot is free again: this send needs all four (StagingFull if not).
+        assert tx.send(other.handle, pages(16, 4), [9, 10, 11, 12]).wait(30) == \
+            [Status.OK] * 4
+        assert time.monotonic() - t0 < 2 + 3  # the call timeout, and slack
+        other.assert_holds(expected)
+    finally:
+        tx.close()
+
+
 def test_a_receiver_killed_mid_stream_fails_within_10_s(receivers, victim, kv_bytes):
     rx = Remote(victim, spec("layer_first", pages=64), seed=5)
     with kvmove.PageSender(kvmove.KVCache(kv_bytes), page_tokens=P, staging_slots=64,
