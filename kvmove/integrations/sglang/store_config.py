@@ -2,8 +2,9 @@
 defaults as SGLang's own Mooncake backend.
 
 1. ``extra_config`` (``--hicache-storage-backend-extra-config``) with
-   ``master_server_address``: the keys SGLang's backend reads there (``protocol``,
-   ``device_name``, ``metadata_server``, ``global_segment_size``, ``local_hostname``);
+   ``master_server_address`` (or ``client_server_address``, refused below): the keys SGLang's
+   backend reads there (``protocol``, ``device_name``, ``metadata_server``,
+   ``global_segment_size``, ``local_hostname``);
 2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` (the same keys);
 3. else the ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER``, ``MOONCAKE_PROTOCOL``,
    ``MOONCAKE_DEVICE``, ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
@@ -12,7 +13,14 @@ defaults as SGLang's own Mooncake backend.
 SGLang's defaults apply where a value is not given: protocol ``rdma``, metadata server
 ``P2PHANDSHAKE``, a 4 GB global segment, local hostname ``localhost``. As in SGLang, the
 global segment is shared by the ranks of one node: each rank contributes ``size / (tp_size *
-pp_size)``.
+pp_size)``; the local hostname is ``MOONCAKE_LOCAL_HOSTNAME``, else ``LOCAL_HOSTNAME``, else
+the configured one, whatever the source (one extra_config serves every node); a device list
+given as a JSON object ``{tp_rank: devices}`` gives each rank its own entry (``""`` when the
+rank has none or the JSON is malformed).
+
+Standalone storage (``client_server_address`` / ``standalone_storage``, ``MOONCAKE_CLIENT`` /
+``MOONCAKE_STANDALONE_STORAGE``: a separate ``mooncake_client`` serves the node) is refused
+with a ``ValueError`` naming the setting.
 """
 
 from __future__ import annotations
@@ -40,15 +48,53 @@ _KEYS = {
     "global_segment_size": "global_segment_size",
     "local_hostname": "local_hostname",
 }
+# SGLang's settings for standalone storage (a separate mooncake_client serves the node).
+_STANDALONE_KEYS = ("client_server_address", "standalone_storage")
+_TRUE = ("true", "1", "yes", "y")  # SGLang's true values of a boolean variable
 
 
-def _from_mapping(values: Mapping, where: str) -> dict:
+def _local_hostname(environ: Mapping[str, str], configured) -> str:
+    """SGLang's order: ``MOONCAKE_LOCAL_HOSTNAME``, ``LOCAL_HOSTNAME``, the configured value,
+    ``localhost`` (so one extra_config can be shared by the nodes)."""
+    for value in (environ.get("MOONCAKE_LOCAL_HOSTNAME"), environ.get("LOCAL_HOSTNAME")):
+        if value and value.strip():
+            return value
+    return configured or SGLANG_DEFAULTS["local_hostname"]
+
+
+def _rank_devices(devices, storage_config):
+    """SGLang's per-rank device map: a JSON object ``{tp_rank: devices}`` gives this rank's
+    entry (``""`` when it has none or the JSON is malformed); anything else is unchanged."""
+    if not isinstance(devices, str) or not devices.strip().startswith("{"):
+        return devices
+    rank = getattr(storage_config, "tp_rank", None)
+    try:
+        table = json.loads(devices)
+        return table.get(rank, "") or table.get(str(rank), "")
+    except (json.JSONDecodeError, AttributeError):
+        return ""
+
+
+def _refuse_standalone(settings: dict, where: str) -> None:
+    named = [name for name, value in settings.items() if value]
+    if named:
+        raise ValueError(
+            f"{where} sets {' and '.join(named)}: kvmove's SGLang backend does not serve "
+            f"Mooncake standalone storage (a separate mooncake_client); name the master "
+            f"(master_server_address or MOONCAKE_MASTER) with standalone storage off"
+        )
+
+
+def _from_mapping(values: Mapping, where: str, environ: Mapping[str, str],
+                  storage_config) -> dict:
+    _refuse_standalone({key: values.get(key) for key in _STANDALONE_KEYS}, where)
     out = {field: values[key] for key, field in _KEYS.items()
            if key in values and values[key] is not None}
     if "master_address" not in out:
         raise ValueError(f"{where} names no 'master_server_address'")
-    if "protocol" not in out and os.environ.get("MOONCAKE_PROTOCOL", "").strip():
-        out["protocol"] = os.environ["MOONCAKE_PROTOCOL"].strip()
+    if "protocol" not in out and environ.get("MOONCAKE_PROTOCOL", "").strip():
+        out["protocol"] = environ["MOONCAKE_PROTOCOL"].strip()
+    out["rdma_devices"] = _rank_devices(out.get("rdma_devices", ""), storage_config)
     return out
 
 
@@ -56,16 +102,24 @@ def store_config_for(storage_config, environ: Mapping[str, str] | None = None) -
     """The :class:`kvmove.StoreConfig` for SGLang's ``HiCacheStorageConfig``."""
     env = os.environ if environ is None else environ
     extra = getattr(storage_config, "extra_config", None) or {}
-    if extra.get("master_server_address"):
-        values = _from_mapping(extra, "extra_config")
+    if any(extra.get(key) is not None for key in ("master_server_address",
+                                                   "client_server_address")):
+        values = _from_mapping(extra, "extra_config", env, storage_config)
     elif env.get(CONFIG_PATH_VAR):
         path = env[CONFIG_PATH_VAR]
         with open(path) as f:
-            values = _from_mapping(json.load(f), f"{CONFIG_PATH_VAR} file {path!r}")
+            values = _from_mapping(json.load(f), f"{CONFIG_PATH_VAR} file {path!r}", env,
+                                   storage_config)
     else:
+        standalone = env.get("MOONCAKE_STANDALONE_STORAGE", "").strip().lower()
+        _refuse_standalone({"MOONCAKE_CLIENT": env.get("MOONCAKE_CLIENT", "").strip(),
+                            "MOONCAKE_STANDALONE_STORAGE": standalone in _TRUE},
+                           "the environment")
         set_vars = {ENV_VARS[v] for v in ENV_VARS if env.get(v, "").strip()}
-        defaults = {k: v for k, v in SGLANG_DEFAULTS.items() if k not in set_vars}
-        values = dataclasses.asdict(StoreConfig.from_env(env, **defaults))
+        overrides = {k: v for k, v in SGLANG_DEFAULTS.items() if k not in set_vars}
+        overrides["rdma_devices"] = _rank_devices(env.get("MOONCAKE_DEVICE", ""), storage_config)
+        values = dataclasses.asdict(StoreConfig.from_env(env, **overrides))
+    values["local_hostname"] = _local_hostname(env, values.get("local_hostname"))
     for field, default in SGLANG_DEFAULTS.items():
         values.setdefault(field, default)
     ranks = max(1, int(getattr(storage_config, "tp_size", 1) or 1)

@@ -9,9 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStoreConfig
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
+    MooncakeBaseStore,
+    MooncakeStore,
+    MooncakeStoreConfig,
+)
 
-from kvmove.integrations.sglang.store_config import store_config_for
+from kvmove.integrations.sglang.store_config import CONFIG_PATH_VAR, store_config_for
 from tests.integrations.sglang.conftest import storage_config
 
 ENV = {"MOONCAKE_MASTER": "10.0.0.5:50051", "MOONCAKE_DEVICE": "mlx5_0,mlx5_1",
@@ -22,7 +26,8 @@ ENV = {"MOONCAKE_MASTER": "10.0.0.5:50051", "MOONCAKE_DEVICE": "mlx5_0,mlx5_1",
 def env(monkeypatch):
     for var in ("MOONCAKE_MASTER", "MOONCAKE_PROTOCOL", "MOONCAKE_DEVICE",
                 "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
-                "MOONCAKE_LOCAL_HOSTNAME", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"):
+                "MOONCAKE_LOCAL_HOSTNAME", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH",
+                "LOCAL_HOSTNAME", "MOONCAKE_CLIENT", "MOONCAKE_STANDALONE_STORAGE"):
         monkeypatch.delenv(var, raising=False)
     for var, value in ENV.items():
         monkeypatch.setenv(var, value)
@@ -57,11 +62,152 @@ def test_extra_config_and_config_file(env, tmp_path):
     assert ours.master_address == theirs.master_server_address == "10.0.0.7:6000"
     assert ours.protocol == theirs.protocol == "tcp"
     assert ours.global_segment_size == theirs.global_segment_size == 1 << 30
+    assert ours.local_hostname == theirs.local_hostname == "10.0.0.9"  # the environment's
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps({"master_server_address": "10.0.0.6:7000", "protocol": "tcp"}))
     env.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(path))
     ours = store_config_for(storage_config(mla=True, page_first=True, model="m"))
     assert ours.master_address == "10.0.0.6:7000" and ours.protocol == "tcp"
+
+
+MASTER = "10.0.0.7:6000"
+FIELDS = ("master_address", "metadata_server", "protocol", "rdma_devices", "local_hostname",
+          "global_segment_size")
+
+
+def configured(env, tmp_path, source: str, settings: dict, tp_rank: int = 0):
+    """SGLang's storage config (tp_size 2) with the store ``settings`` in ``source``: the
+    extra config, the SGLANG_HICACHE_MOONCAKE_CONFIG_PATH file (both SGLang's keys), or
+    ``"env"`` (``settings`` are then environment variables)."""
+    extra = None
+    if source == "extra":
+        extra = settings
+    elif source == "file":
+        path = tmp_path / "mooncake.json"
+        path.write_text(json.dumps(settings))
+        env.setenv(CONFIG_PATH_VAR, str(path))
+    else:
+        for var, value in settings.items():
+            env.setenv(var, value)
+    config = storage_config(mla=True, page_first=True, model="m", tp_rank=tp_rank, extra=extra)
+    config.tp_size = 2
+    return config
+
+
+def sglang_setup(env, config) -> dict:
+    """What SGLang's own MooncakeStore hands Mooncake's ``setup()`` for ``config``, as
+    StoreConfig fields (a stand-in Mooncake client records the call; no store runs)."""
+    calls = []
+
+    class Client:
+        def setup(self, *args, **kwargs):
+            calls.append(args)
+            return 0
+
+        def put(self, key, value):
+            self.value = value
+            return 0
+
+        def is_exist(self, key):
+            return 1
+
+        def get(self, key):
+            return self.value
+
+    env.setattr(MooncakeBaseStore, "_import_mooncake_store", lambda self: Client)
+    MooncakeStore(config)
+    hostname, metadata, segment, _, protocol, devices, master = calls[0][:7]
+    return dict(master_address=master, metadata_server=metadata, protocol=protocol,
+                rdma_devices=devices, local_hostname=hostname, global_segment_size=segment)
+
+
+def resolved(config) -> dict:
+    ours = store_config_for(config)
+    return {field: getattr(ours, field) for field in FIELDS}
+
+
+@pytest.mark.parametrize("source, variables, configured_name, expected", [
+    ("extra", {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.9"}, "10.0.0.8", "10.0.0.9"),
+    ("extra", {"LOCAL_HOSTNAME": "10.0.0.4"}, "10.0.0.8", "10.0.0.4"),
+    ("extra", {}, "", "localhost"),
+    ("file", {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.9", "LOCAL_HOSTNAME": "10.0.0.4"}, "10.0.0.8",
+     "10.0.0.9"),
+    ("file", {"LOCAL_HOSTNAME": "10.0.0.4"}, None, "10.0.0.4"),
+    ("env", {"LOCAL_HOSTNAME": "10.0.0.4"}, None, "10.0.0.4"),
+])
+def test_local_hostname_as_sglang_resolves_it(env, tmp_path, source, variables,
+                                              configured_name, expected):
+    """The process environment wins over the configured name (one extra_config for every
+    node), MOONCAKE_LOCAL_HOSTNAME first, then LOCAL_HOSTNAME, then the configured name."""
+    env.delenv("MOONCAKE_LOCAL_HOSTNAME")
+    for var, value in variables.items():
+        env.setenv(var, value)
+    settings = {} if source == "env" else {"master_server_address": MASTER, "protocol": "tcp"}
+    if configured_name is not None:
+        settings["local_hostname"] = configured_name
+    config = configured(env, tmp_path, source, settings)
+    assert MooncakeBaseStore()._load_config(config).local_hostname == expected
+    assert resolved(config) == sglang_setup(env, config)
+    assert resolved(config)["local_hostname"] == expected
+
+
+def test_the_environ_argument_is_the_environment(env):
+    """Given ``environ``, the configured sources read it, never the process environment."""
+    config = storage_config(mla=True, page_first=True, model="m",
+                            extra={"master_server_address": MASTER})
+    ours = store_config_for(config, environ={"MOONCAKE_PROTOCOL": "tcp",
+                                             "LOCAL_HOSTNAME": "10.0.0.4"})
+    assert (ours.protocol, ours.local_hostname) == ("tcp", "10.0.0.4")
+
+
+JSON_DEVICES = '{"0": "mlx5_0", "1": "mlx5_1,mlx5_2"}'
+
+
+@pytest.mark.parametrize("source, devices, tp_rank, expected", [
+    ("env", JSON_DEVICES, 1, "mlx5_1,mlx5_2"),
+    ("extra", JSON_DEVICES.replace(" ", ""), 1, "mlx5_1,mlx5_2"),
+    ("extra", JSON_DEVICES, 0, "mlx5_0"),
+    ("file", '{"0": "mlx5_0"}', 1, ""),           # no entry for this rank
+    ("extra", '{"0":"mlx5_0",}', 0, ""),           # malformed JSON
+])
+def test_per_rank_device_map_as_sglang_resolves_it(env, tmp_path, source, devices, tp_rank,
+                                                   expected):
+    """A device list given as JSON {tp_rank: devices} gives Mooncake this rank's devices."""
+    if source == "env":
+        settings = {"MOONCAKE_DEVICE": devices}
+    else:
+        settings = {"master_server_address": MASTER, "device_name": devices}
+    config = configured(env, tmp_path, source, settings, tp_rank=tp_rank)
+    assert resolved(config) == sglang_setup(env, config)
+    assert resolved(config)["rdma_devices"] == expected
+
+
+@pytest.mark.parametrize("source, settings, named", [
+    ("extra", {"master_server_address": MASTER, "standalone_storage": True,
+               "client_server_address": "10.0.0.7:50052"}, "standalone_storage"),
+    ("extra", {"client_server_address": "10.0.0.7:50052"}, "client_server_address"),
+    ("file", {"master_server_address": MASTER, "standalone_storage": True},
+     "standalone_storage"),
+    ("file", {"client_server_address": "10.0.0.7:50052"}, "client_server_address"),
+    ("env", {"MOONCAKE_CLIENT": "10.0.0.7:50052"}, "MOONCAKE_CLIENT"),
+    ("env", {"MOONCAKE_STANDALONE_STORAGE": "true"}, "MOONCAKE_STANDALONE_STORAGE"),
+])
+def test_standalone_storage_is_refused_naming_the_setting(env, tmp_path, source, settings,
+                                                          named):
+    """Standalone storage (a separate mooncake_client serves the node) is not served."""
+    config = configured(env, tmp_path, source, settings)
+    theirs = MooncakeBaseStore()._load_config(config)
+    assert theirs.standalone_storage or theirs.client_server_address  # SGLang reads it here
+    with pytest.raises(ValueError, match=named):
+        store_config_for(config)
+
+
+def test_mooncake_client_variable_is_not_read_with_an_extra_config(env, tmp_path):
+    """As in SGLang, MOONCAKE_CLIENT belongs to the environment source only."""
+    env.setenv("MOONCAKE_CLIENT", "10.0.0.7:50052")
+    config = configured(env, tmp_path, "extra", {"master_server_address": MASTER})
+    assert MooncakeBaseStore()._load_config(config).client_server_address is None
+    assert resolved(config) == sglang_setup(env, config)
 
 
 def test_no_master_is_a_clear_error(env):
