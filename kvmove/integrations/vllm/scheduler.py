@@ -99,7 +99,13 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # Back after preemption (vLLM's V1 model runner): its blocks were freed, it
+                # has all-new ones, and its store hit (looked up again, counted in
+                # num_computed_tokens) loads into them now, as a new request's does.
                 state.block_ids = list(new_ids[0]) if new_ids else []
+                if state.load is not None:
+                    meta.loads.append(state.load)
+                    state.load = None
                 state.saved_blocks = cached.num_computed_tokens[i] // bs
             elif new_ids:
                 state.block_ids.extend(new_ids[0])

@@ -34,6 +34,20 @@ def block_mover(views: list[torch.Tensor], store, *, staging_slots: int,
                           prefetch_into_free_rows=True)
 
 
+def unique_rounds(keys: list[str]) -> list[list[int]]:
+    """Positions of ``keys`` in rounds of unique keys: round ``r`` holds the positions of
+    each key's occurrence ``r`` (counted from 0), in order. No key repeats: one round."""
+    rounds: list[list[int]] = []
+    seen: dict[str, int] = {}  # key -> how often it came so far
+    for i, key in enumerate(keys):
+        r = seen.get(key, 0)
+        seen[key] = r + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(i)
+    return rounds
+
+
 class WorkerSide:
     """The connector's worker side: a :class:`kvmove.KVMover` over vLLM's block regions;
     one gather + background put per step's saves, get + scatter per step's loads."""
@@ -77,13 +91,21 @@ class WorkerSide:
             return
         keys = [self.key_prefix + h for t in meta.loads for h in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
-        pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
-        # More blocks than staging slots run in staging-sized pieces inside the mover.
-        transfer = self.mover.prefetch(keys, pages, layerwise=self.plan.layerwise)
+        # A prefetch's keys are unique, but two requests with the same prefix (vLLM's prefix
+        # cache off) load the same key into blocks of their own: one prefetch per round.
+        loads = []
+        for positions in unique_rounds(keys):
+            ids = [block_ids[i] for i in positions]
+            pages = torch.tensor(ids, dtype=torch.int64).unsqueeze(1)
+            # More blocks than staging slots run in staging-sized pieces inside the mover.
+            transfer = self.mover.prefetch([keys[i] for i in positions], pages,
+                                           layerwise=self.plan.layerwise)
+            loads.append((transfer, ids))
         if self.plan.layerwise:
-            self._loads.append((transfer, block_ids))
+            self._loads.extend(loads)
         else:
-            self._finish_load(transfer, block_ids)
+            for transfer, ids in loads:
+                self._finish_load(transfer, ids)
 
     def wait_for_layer(self, layer_name: str) -> None:
         if not self._loads:
@@ -120,8 +142,13 @@ class WorkerSide:
         self._reap_saves()
         if not meta.saves or self.mover is None:
             return
-        keys = [self.key_prefix + h for t in meta.saves for h in t.keys]
-        block_ids = [b for t in meta.saves for b in t.block_ids]
+        # An evict's keys are unique. Blocks with the same key hold the same bytes (two
+        # requests with the same prefix, vLLM's prefix cache off): save the first of them.
+        first_block: dict[str, int] = {}
+        for t in meta.saves:
+            for h, b in zip(t.keys, t.block_ids, strict=True):
+                first_block.setdefault(self.key_prefix + h, b)
+        keys, block_ids = list(first_block), list(first_block.values())
         pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
         transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
         # vLLM reuses the blocks only after this: the gather (CUDA, staged) or the put that

@@ -1,0 +1,202 @@
+"""kvmove's connector without an engine: its scheduler side fed vLLM's scheduler outputs and its
+worker side over vLLM-shaped KV caches, against a real Mooncake store. Asserts the metadata
+each step carries and the bytes that land in the blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from kvmove.integrations.vllm.keys import VLLMKeyFormat
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
+from kvmove.integrations.vllm.scheduler import SchedulerSide
+from kvmove.integrations.vllm.worker import WorkerSide, unique_rounds
+from tests.integrations.vllm.caches import vllm_layer_caches
+
+BS = 32  # tokens per block
+LAYERS, NUM_BLOCKS = 2, 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+@pytest.fixture(autouse=True)
+def connector_env(store, tmp_path, monkeypatch):
+    """Both sides reach ``store`` through vLLM's Mooncake JSON; the worker is TP rank 0."""
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({
+        "master_server_address": store.address, "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp", "device_name": "", "mode": "standalone-store",
+        "global_segment_size": 0, "local_buffer_size": "64mb"}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+    import vllm.distributed.parallel_state as parallel_state
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+
+
+def plan_for(path: str = "staged", layerwise: bool = True) -> ConnectorPlan:
+    return ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("tiny"),
+                         tp_size=1, pp_size=1, replication=1, can_load=True, can_save=True,
+                         save_decode=False, layerwise=layerwise, staging_bytes=1 << 20,
+                         path=path)
+
+
+def caches(seed: int, zero: bool = False) -> list[torch.Tensor]:
+    out = vllm_layer_caches("LBHNC", LAYERS, NUM_BLOCKS, 2, BS, 64, seed=seed)
+    if zero:
+        for c in out:
+            c.zero_()
+    return out
+
+
+def block_bytes(kv: list[torch.Tensor], block_id: int) -> bytes:
+    """vLLM block ``block_id``'s object: its bytes layer by layer."""
+    return b"".join(c[block_id].contiguous().view(torch.uint8).numpy().tobytes() for c in kv)
+
+
+@contextlib.contextmanager
+def worker_side(plan: ConnectorPlan, kv: list[torch.Tensor]):
+    """A worker side over ``kv``; closing it waits for its saves."""
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))
+    kv_cache_config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(layer_names=NAMES)])
+    side = WorkerSide(plan, vllm_config, kv_cache_config)
+    try:
+        side.register_kv_caches(dict(zip(NAMES, kv, strict=True)))
+        yield side
+    finally:
+        side.close()
+
+
+def load(side: WorkerSide, meta: KVMoveConnectorMetadata) -> set[int]:
+    """One step's loads as vLLM drives them; the block ids whose load failed."""
+    side.start_load(meta)
+    for name in NAMES:
+        side.wait_for_layer(name)
+    side.save(KVMoveConnectorMetadata())
+    return side.take_load_errors()
+
+
+def block_hashes(name: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{name}/{i}".encode()).digest() for i in range(n)]
+
+
+def request(req_id: str, hashes: list[bytes], num_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, num_tokens=num_tokens,
+                           num_prompt_tokens=num_tokens, block_hashes=hashes)
+
+
+def output(new=(), cached=None, scheduled=None, finished=()) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled or {}, total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(finished), free_encoder_mm_hashes=[])
+
+
+def new_request(req_id: str, block_ids: list[int], computed: int) -> NewRequestData:
+    return NewRequestData(req_id=req_id, prompt_token_ids=None, mm_features=[],
+                          sampling_params=None, pooling_params=None, block_ids=(block_ids,),
+                          num_computed_tokens=computed, lora_request=None)
+
+
+def cached_request(req_id: str, new_block_ids: list[int] | None, computed: int, *,
+                   resumed: bool) -> CachedRequestData:
+    """As vLLM's V1 model runner gets it: a resumed request comes with all its blocks."""
+    return CachedRequestData(
+        req_ids=[req_id], resumed_req_ids={req_id} if resumed else set(), new_token_ids=[],
+        all_token_ids={}, new_block_ids=[(new_block_ids,) if new_block_ids else None],
+        num_computed_tokens=[computed], num_output_tokens=[0])
+
+
+def transfers(items: list[BlockTransfer]) -> list[tuple[list[str], list[int]]]:
+    return [(t.keys, t.block_ids) for t in items]
+
+
+def test_a_resumed_request_loads_its_store_hit():
+    """A request preempted and resumed (vLLM's V1 model runner: a cached request in
+    ``resumed_req_ids``) whose prefix the store holds loads it into its new blocks, once,
+    and saves none of them again."""
+    plan = plan_for()
+    hashes = block_hashes("resumed", 3)
+    keys = [h.hex() for h in hashes]
+    sched = SchedulerSide(plan)
+    try:
+        # An engine computes a 100-token prompt and saves its 3 full blocks.
+        first = request("a", hashes, 100)
+        assert sched.matched_tokens(first, 0) == 0
+        sched.after_alloc(first, [7, 8, 9, 10], 0)
+        meta = sched.build_meta(output([new_request("a", [7, 8, 9, 10], 0)],
+                                       scheduled={"a": 100}))
+        assert meta.loads == [] and transfers(meta.saves) == [(keys, [7, 8, 9])]
+        src = caches(seed=1)
+        with worker_side(plan, src) as w:
+            w.save(meta)
+        sched.build_meta(output(finished={"a"}))
+
+        # The same prompt again: admitted with the store hit (96 tokens) ...
+        req = request("b", hashes, 100)
+        assert sched.matched_tokens(req, 0) == 96
+        sched.after_alloc(req, [7, 8, 9, 10], 96)
+        meta = sched.build_meta(output([new_request("b", [7, 8, 9, 10], 96)],
+                                       scheduled={"b": 4}))
+        assert transfers(meta.loads) == [(keys, [7, 8, 9])] and meta.saves == []
+        # ... preempted (its blocks freed), and resumed into other blocks: vLLM looks the
+        # prefix up again and counts the hit as computed.
+        assert sched.matched_tokens(req, 0) == 96
+        sched.after_alloc(req, [3, 2, 1, 0], 96)
+        resumed = sched.build_meta(output(
+            cached=cached_request("b", [3, 2, 1, 0], 96, resumed=True), scheduled={"b": 4}))
+        assert transfers(resumed.loads) == [(keys, [3, 2, 1])]
+        assert resumed.saves == []  # those blocks are in the store; the 4th is not full
+        # Its next step (decode) loads and saves nothing.
+        meta = sched.build_meta(output(cached=cached_request("b", None, 100, resumed=False),
+                                       scheduled={"b": 1}))
+        assert meta.loads == [] and meta.saves == []
+    finally:
+        sched.close()
+
+    dst = caches(seed=2, zero=True)
+    with worker_side(plan, dst) as w:
+        assert load(w, resumed) == set()
+    assert [block_bytes(dst, b) for b in (3, 2, 1)] == [block_bytes(src, b) for b in (7, 8, 9)]
+
+
+@pytest.mark.parametrize("path,layerwise", [("staged", True), ("in_place", False)])
+def test_requests_with_the_same_blocks_in_one_step(path, layerwise):
+    """Two requests with the same prompt in one step (vLLM's prefix cache off) save the same
+    keys from different blocks and load the same keys into different blocks: each key is
+    saved once, from its first block; every block is loaded, and a key that is missing fails
+    every block it was to fill."""
+    plan = plan_for(path, layerwise)
+    hashes = block_hashes(f"same-{path}", 3)
+    keys = [h.hex() for h in hashes]
+    src = caches(seed=3)
+    with worker_side(plan, src) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("a", keys, [1, 2, 3]),
+                                              BlockTransfer("b", keys, [4, 5, 6])]))
+    assert block_bytes(src, 1) != block_bytes(src, 4)  # which block was saved shows
+
+    missing = block_hashes(f"missing-{path}", 1)[0].hex()
+    dst = caches(seed=4, zero=True)
+    meta = KVMoveConnectorMetadata(loads=[BlockTransfer("c", [*keys, missing], [8, 9, 10, 11]),
+                                          BlockTransfer("d", [*keys, missing], [12, 13, 14, 15])])
+    with worker_side(plan, dst) as w:
+        assert load(w, meta) == {11, 15}
+    saved = [block_bytes(src, b) for b in (1, 2, 3)]
+    assert [block_bytes(dst, b) for b in (8, 9, 10)] == saved
+    assert [block_bytes(dst, b) for b in (12, 13, 14)] == saved
+    zeros = bytes(len(saved[0]))
+    assert block_bytes(dst, 11) == zeros and block_bytes(dst, 15) == zeros
+
+
+def test_unique_rounds_split_repeated_keys():
+    assert unique_rounds([]) == []
+    assert unique_rounds(["a", "b"]) == [[0, 1]]
+    assert unique_rounds(["a", "b", "a", "a", "c", "b"]) == [[0, 1, 4], [2, 5], [3]]
