@@ -600,13 +600,16 @@ class KVMover:
             if short.any():
                 rows = self._page_rows[None, :] < piece.valid[:, None]
                 keep = rows if keep is None else keep & rows
-            if device_bad or keep is not None:  # the rows not kept become -1 (skipped)
-                mask = torch.from_numpy(np.ones((len(ok), 1), bool) if keep is None else keep)
+            mask = None  # the rows not kept become -1 (skipped)
+            if keep is not None:
+                mask = torch.from_numpy(keep)
                 if pages.is_cuda:
                     mask = to_device(mask, pages.device)  # no wait for the stream
-                if device_bad:
-                    piece.fetch_bad()
-                    mask = mask & ~piece.bad[:, None]
+            if device_bad:  # made on the device: no host copy
+                piece.fetch_bad()
+                good = ~piece.bad[:, None]
+                mask = good if mask is None else mask & good
+            if mask is not None:
                 pages = torch.where(mask, pages, -1)
             event = None
             plan = plan_pages(self._scatter_all, pages, slots)  # one plan for every layer
@@ -671,20 +674,15 @@ class KVMover:
         """Count a transfer that runs on a caller's thread (``close()`` waits for them);
         yields False, counting nothing, once the mover is closed."""
         with self._lock:
-            if self._closed:
-                allowed = False
-            else:
-                allowed = True
-                self._inline += 1
-        if not allowed:
-            yield False
-            return
+            allowed = not self._closed
+            self._inline += allowed
         try:
-            yield True
+            yield allowed
         finally:
-            with self._inline_done:
-                self._inline -= 1
-                self._inline_done.notify_all()
+            if allowed:
+                with self._inline_done:
+                    self._inline -= 1
+                    self._inline_done.notify_all()
 
     def _put_in_place(self, call: Call) -> TransferResult:
         n = len(call.keys)
