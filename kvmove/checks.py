@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -316,13 +317,16 @@ def small_rows_ok(rows: np.ndarray, limit: int, *, unique: bool) -> bool:
 
 def check_seconds(value, name: str, *, none_ok: bool = False, zero_ok: bool = False):
     """``value`` as float seconds: a real number > 0 (>= 0 with ``zero_ok``; ``None`` passes
-    with ``none_ok``); else ``ValueError`` naming ``name``."""
+    with ``none_ok``) and at most ``threading.TIMEOUT_MAX`` (a longer wait, ``inf`` included,
+    overflows the waits: say ``None`` for no limit where it is allowed); else ``ValueError``
+    naming ``name``."""
     if value is None and none_ok:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-            value >= 0 if zero_ok else value > 0):
-        raise ValueError(f"{name} must be {'>= 0' if zero_ok else 'positive'} seconds"
-                         f"{' or None' if none_ok else ''}, got {value!r}")
+            (value >= 0 if zero_ok else value > 0) and value <= threading.TIMEOUT_MAX):
+        raise ValueError(f"{name} must be {'>= 0' if zero_ok else 'positive'} seconds, at "
+                         f"most {threading.TIMEOUT_MAX:g}{' (or None)' if none_ok else ''}, "
+                         f"got {value!r}")
     return float(value)
 
 

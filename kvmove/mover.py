@@ -20,6 +20,7 @@ from kvmove.checks import (
     check_layout,
     check_positive_int,
     check_range,
+    check_seconds,
     check_unique,
     check_valid_tokens,
     small_rows_ok,
@@ -150,6 +151,8 @@ class KVMover:
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
         check_positive_int(workers, "workers")
+        alloc_timeout = check_seconds(alloc_timeout, "alloc_timeout", none_ok=True,
+                                      zero_ok=True)
         self.kv = kv
         self.store = store
         if not isinstance(prefetch_into_free_rows, bool):

@@ -166,3 +166,17 @@ def test_small_rows_ok_agrees_with_the_full_checks(rows, limit, unique):
     assert checks.small_rows_ok(a, limit, unique=unique) == full
     big = np.zeros(checks.SMALL_ROWS + 1, dtype=np.int64)
     assert checks.small_rows_ok(big, limit, unique=False) is False  # left to numpy
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), 1e10, True, "1", None])
+def test_check_seconds_refuses_waits_a_thread_cannot_make(value):
+    with pytest.raises(ValueError, match="call_timeout"):
+        checks.check_seconds(value, "call_timeout")
+
+
+def test_check_seconds_accepts_what_it_says():
+    assert checks.check_seconds(2, "t") == 2.0
+    assert checks.check_seconds(0, "t", zero_ok=True) == 0.0
+    assert checks.check_seconds(None, "t", none_ok=True) is None
+    with pytest.raises(ValueError, match="or None"):
+        checks.check_seconds(float("inf"), "t", none_ok=True)

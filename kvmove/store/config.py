@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -114,6 +115,20 @@ def _parse_address(value, name: str) -> str:
             f"or [IPv6] in brackets, then a port 1..65535; no scheme, path or spaces)"
         )
     return value.strip()
+
+
+def _seconds(value, name: str) -> float:
+    """``value`` as float seconds, after checking it is a positive number a thread can wait
+    for (at most ``threading.TIMEOUT_MAX``; ``inf`` would overflow the waits)."""
+    try:
+        seconds = -1.0 if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"{name} must be positive seconds, at most {threading.TIMEOUT_MAX:g}, got {value!r}"
+        )
+    return seconds
 
 
 # The fields that say how a Transfer Engine joins the network (the store's and the direct
@@ -222,24 +237,10 @@ class StoreConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
             set_(self, name, value)
-        try:
-            timeout = float(self.connect_timeout)
-        except (TypeError, ValueError):
-            timeout = -1.0
-        if not timeout > 0:
-            raise ValueError(
-                f"connect_timeout must be positive seconds, got {self.connect_timeout!r}"
-            )
-        set_(self, "connect_timeout", timeout)
+        set_(self, "connect_timeout", _seconds(self.connect_timeout, "connect_timeout"))
         if not isinstance(self.detect_exists, bool):
             raise ValueError(f"detect_exists must be a bool, got {self.detect_exists!r}")
-        try:
-            bound = float(self.call_timeout)
-        except (TypeError, ValueError):
-            bound = -1.0
-        if not 0 < bound < float("inf") or isinstance(self.call_timeout, bool):
-            raise ValueError(f"call_timeout must be positive seconds, got {self.call_timeout!r}")
-        set_(self, "call_timeout", bound)
+        set_(self, "call_timeout", _seconds(self.call_timeout, "call_timeout"))
         for name in ("max_call_spans", "max_inflight_spans"):
             value = getattr(self, name)
             if isinstance(value, str) and value.strip().isdigit():
@@ -307,7 +308,8 @@ class StoreConfig:
         try:
             return cls(**values)
         except ValueError as e:  # a field's check: name its variable
-            var = next((v for v, n in ENV_VARS.items() if str(e).startswith(n)), None)
+            var = next((v for v, n in ENV_VARS.items()
+                        if str(e).startswith(n) and n not in overrides), None)
             if var is None:
                 raise
             raise ValueError(f"environment variable {var}: {e}") from None

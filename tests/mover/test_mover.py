@@ -381,3 +381,19 @@ def test_the_mover_copies_index_tensors_at_call_time(make_mover, keyspace, monke
     for layer in range(kv.num_layers("kv")):
         assert torch.equal(kv.layer("kv", layer)[8:12], want["kv"][layer][0:4])
         assert torch.equal(kv.layer("kv", layer)[16:20], want["kv"][layer][16:20])
+
+
+@pytest.mark.parametrize("alloc_timeout", [-1, float("inf"), 1e10, "5", True, float("nan")])
+def test_a_bad_alloc_timeout_is_refused_when_the_mover_is_built(store, alloc_timeout):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    with pytest.raises(ValueError, match="alloc_timeout"):
+        kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="staged",
+                       alloc_timeout=alloc_timeout)
+
+
+@pytest.mark.parametrize("alloc_timeout", [None, 0, 0.5])
+def test_alloc_timeout_none_zero_and_seconds_are_accepted(store, alloc_timeout):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="staged",
+                        alloc_timeout=alloc_timeout) as mover:
+        assert mover.alloc_timeout == alloc_timeout

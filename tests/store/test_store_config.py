@@ -148,7 +148,11 @@ def test_from_dict_and_coerce():
 @pytest.mark.parametrize(
     ("field", "value"),
     [("replicas", 0), ("replicas", "two"), ("max_batch_keys", -3), ("connect_timeout", 0),
-     ("protocol", " "), ("local_buffer_size", "big"), ("detect_exists", "yes")],
+     ("protocol", " "), ("local_buffer_size", "big"), ("detect_exists", "yes"),
+     # waits no thread can make (they overflow, or a put given up is never tracked)
+     ("connect_timeout", float("inf")), ("connect_timeout", "inf"), ("connect_timeout", 1e10),
+     ("connect_timeout", float("nan")), ("connect_timeout", True), ("call_timeout", 1e10),
+     ("call_timeout", float("inf")), ("call_timeout", -1), ("call_timeout", "soon")],
 )
 def test_bad_fields_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -161,3 +165,10 @@ def test_replicas_from_the_environment():
     assert StoreConfig.from_env({"MOONCAKE_MASTER": "h:1"}).replicas == 1
     with pytest.raises(ValueError, match="KVMOVE_REPLICAS: replicas must be a positive int"):
         StoreConfig.from_env({**env, "KVMOVE_REPLICAS": "0"})
+
+
+def test_a_bad_override_is_not_blamed_on_the_environment():
+    env = {"MOONCAKE_MASTER": "h:1", "KVMOVE_REPLICAS": "2"}
+    with pytest.raises(ValueError, match="replicas must be a positive int") as caught:
+        StoreConfig.from_env(env, replicas=0)
+    assert "KVMOVE_REPLICAS" not in str(caught.value)
