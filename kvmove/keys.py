@@ -13,7 +13,7 @@ from kvmove.checks import check_layout
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import LAYOUTS
 
-_PREFIX_OK = re.compile(r"^[A-Za-z0-9._\-]*$")
+_PREFIX_OK = re.compile(r"[A-Za-z0-9._\-]*")
 
 
 def geometry_fingerprint(kv: KVCache, page_tokens: int, checksum: bool = False,
@@ -42,7 +42,7 @@ class KeySpace:
 
     def __init__(self, kv: KVCache, page_tokens: int, prefix: str = "", *,
                  checksum: bool = False, layout: str = "layer_first"):
-        if not isinstance(prefix, str) or not _PREFIX_OK.match(prefix):
+        if not isinstance(prefix, str) or not _PREFIX_OK.fullmatch(prefix):
             raise ValueError(
                 f"key_prefix must use only letters, digits, '.', '_' and '-', got {prefix!r}"
             )

@@ -39,7 +39,7 @@ def test_the_fingerprint_ignores_what_does_not_change_objects():
     assert len(fp) == 12 and int(fp, 16) >= 0
 
 
-@pytest.mark.parametrize("prefix", ["a b", "a:b", "a/b", "é", 7])
+@pytest.mark.parametrize("prefix", ["a b", "a:b", "a/b", "é", 7, "ok\n", "ok\r\n"])
 def test_a_prefix_outside_the_allowed_characters_is_refused(prefix):
     with pytest.raises(ValueError, match="key_prefix"):
         KeySpace(cache(), 16, prefix)
