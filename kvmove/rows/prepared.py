@@ -144,6 +144,13 @@ class PreparedCopy:
     def _run(self, src_rows, dst_rows, errors, plan, host_rows) -> None:
         if host_rows is None and src_rows.device.type == dst_rows.device.type == "cpu":
             host_rows = (src_rows, dst_rows)
+        if not self.parts:  # no layer to copy: the bad rows are counted all the same
+            if errors is not None:  # where the rows are: no copy between host and device
+                s, d = src_rows, dst_rows
+                bad = ((s < -1) | (s >= self.src_rows_limit) | (d < -1)
+                       | (d >= self.dst_rows_limit)).sum()
+                errors += int(bad) if bad.device.type == "cpu" else bad
+            return
         on_device = None
         counter = errors  # count bad rows in the first buffer's copy only
         for part in self.parts:
@@ -185,6 +192,17 @@ class PreparedCopy:
 _cache_lock = threading.Lock()
 
 
+def _layer_key(layers):
+    """The cache key of ``layers`` when it is ``None`` or made of plain ints (an int, or a
+    list or tuple of them), else ``None``: a key must never let a value ``select_layers``
+    refuses (``True``, ``1.0``, ``np.int64(1)``) reach a copy cached under an equal one."""
+    if layers is None or type(layers) is int:
+        return layers
+    if type(layers) in (list, tuple) and all(type(x) is int for x in layers):
+        return tuple(layers)
+    return None
+
+
 def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "auto",
                   direction: str, page_tokens: int) -> PreparedCopy:
     """The :class:`PreparedCopy` of these pools, layers and backend (made on first use,
@@ -192,7 +210,11 @@ def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "au
     buffer already holds its cache alive), else with the destination; it keeps the
     :data:`PREPARED_KEPT` most recently used. Pools of different geometry raise
     ``ValueError`` (checked when the copy is made: a cached one was checked then)."""
-    layer_key = layers if layers is None or isinstance(layers, int) else tuple(layers)
+    layer_key = _layer_key(layers)
+    if layer_key is None and layers is not None:  # not plain ints: checked, then keyed
+        select_layers(src, layers)  # raises for what is not a layer
+        layer_key = (int(layers) if isinstance(layers, int)
+                     else tuple(int(x) for x in layers))
     owner, other = (dst, src) if dst.kind == "StagingBuffer" else (src, dst)
     key = (id(other), owner is src, layer_key, backend, direction, page_tokens)
     cache: OrderedDict = owner.prepared
@@ -202,7 +224,7 @@ def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "au
             cache.move_to_end(key)
         return hit
     check_same_geometry(src.shape, dst.shape, src.kind, dst.kind)
-    prepared = PreparedCopy(src, dst, layers, backend=backend, direction=direction,
+    prepared = PreparedCopy(src, dst, layer_key, backend=backend, direction=direction,
                             page_tokens=page_tokens)
     with _cache_lock:
         cache[key] = prepared

@@ -6,8 +6,10 @@ torch alike, on per-layer and stacked caches, every path the torch backend takes
 
 from __future__ import annotations
 
+import enum
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -278,3 +280,42 @@ def test_every_torch_path_moves_the_same_bytes(cache, pattern, thresholds, page_
         prepared.run(torch.tensor(src_rows), torch.tensor(dst_rows), None)
         assert bad == 0
         assert_same(rows_snapshot(dst), want)
+
+
+@pytest.mark.parametrize(("bad", "good"), [(True, 1), ([1.0], [1]), ([np.int64(1)], [1]),
+                                          ([False], [0]), ((True,), (1,))])
+def test_a_cached_copy_never_lets_a_bad_layers_argument_through(bad, good):
+    kv, staging = world()
+    pools = kv.row_pool, staging.row_pool
+
+    def copy(layers):
+        return prepared_copy(*pools, layers, direction="gather", page_tokens=4)
+
+    with pytest.raises(TypeError, match="layers"):
+        copy(bad)
+    copy(good)  # cached under a key equal to the bad argument's
+    with pytest.raises(TypeError, match="layers"):
+        copy(bad)
+
+
+def test_layers_of_int_subclasses_are_keyed_as_their_ints():
+    kv, staging = world()
+    pools = kv.row_pool, staging.row_pool
+    Layer = enum.IntEnum("Layer", {"FIRST": 0, "SECOND": 1})
+    copy = prepared_copy(*pools, [Layer.SECOND], direction="gather", page_tokens=4)
+    assert copy is prepared_copy(*pools, [1], direction="gather", page_tokens=4)
+    assert copy.parts[0].layers == (1,)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_copy_of_no_layers_still_counts_out_of_range_rows(backend):
+    kv, _ = world()
+    before = snapshot(kv)
+    copy = prepared_copy(kv.row_pool, kv.row_pool, [], backend=backend, direction="gather",
+                         page_tokens=4)
+    errors = torch.zeros(1, dtype=torch.int32)
+    copy.run(torch.tensor([99, 0, -1, -7]), torch.tensor([1, 40, 2, 3]), errors)
+    assert errors.item() == 3  # 99, 40 and -7; -1 skips
+    assert_same(before, snapshot(kv))
+    assert int(kvmove.copy_rows(kv, [99], kv, [1], layers=[], backend=backend,
+                                check=False)) == 1
