@@ -132,10 +132,10 @@ def run_workload(name: str, store, args) -> dict:
     worker = ThreadPoolExecutor(max_workers=1)
 
     def mover_put(path, keys):
-        assert movers[path].evict(keys, src).wait(60) == [kvmove.Status.OK] * pages
+        assert movers[path].evict(keys, src).wait() == [kvmove.Status.OK] * pages
 
     def mover_get(path, keys):
-        assert movers[path].prefetch(keys, dst).wait(60) == [kvmove.Status.OK] * pages
+        assert movers[path].prefetch(keys, dst).wait() == [kvmove.Status.OK] * pages
 
     names = ["floor", *(f"KVMover {p}" for p in PATHS)]
     rows: dict[str, list[float]] = {}

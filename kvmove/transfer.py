@@ -49,7 +49,8 @@ class FutureEvent:
 class StealableJob(Future):
     """A job queued for a worker thread that the first thread to wait for it runs itself,
     when no worker has started it yet (that waiter would only block meanwhile; on a busy
-    machine a worker can take milliseconds to be scheduled). Runs exactly once, either way;
+    machine a worker can take milliseconds to be scheduled), unless the wait has a timeout
+    (the job may take longer than it: a bounded waiter only waits). Runs exactly once;
     a waiter's run is inside ``guard()``, entered before the job is claimed (the mover
     counts such runs, so that ``close()`` waits for them too; a guard that yields ``False``
     refuses, and the queued job runs on its worker). A
@@ -87,7 +88,8 @@ class StealableJob(Future):
                 self._execute()
 
     def result(self, timeout=None):
-        self.steal()
+        if timeout is None:  # a bounded wait must not run the job: it may take longer
+            self.steal()
         return super().result(timeout)
 
 
@@ -274,9 +276,10 @@ class Transfer:
         n = self.progress.num_layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
             raise IndexError(f"layer must be in 0..{n - 1}, got {layer!r}")
-        for _, piece in self._pieces:  # a job no worker has started yet: run it here
-            if isinstance(piece, StealableJob):
-                piece.steal()
+        if timeout is None:  # a job no worker has started yet: run it here (unbounded only)
+            for _, piece in self._pieces:
+                if isinstance(piece, StealableJob):
+                    piece.steal()
         reached, event = self.progress.wait(layer, timeout)
         if not reached:
             raise TimeoutError(f"layer {layer} of the {self.kind} is not in the KV cache yet")

@@ -119,9 +119,22 @@ def test_a_waiter_runs_the_job_no_worker_has_started_and_the_worker_then_skips_i
     runs, guarded = [], []
     job = StealableJob(lambda: runs.append(threading.current_thread().name) or 42,
                        counting_guard(guarded))
-    assert job.result(1) == 42 and job.done()
+    assert job.result() == 42 and job.done()
     job.run()  # the worker comes late: nothing to do
     assert runs == [threading.current_thread().name] and guarded == ["enter", "exit"]
+
+
+def test_a_bounded_wait_never_runs_the_job_it_waits_for():
+    runs, guarded = [], []
+    job = StealableJob(lambda: runs.append(threading.current_thread().name) or 7,
+                       counting_guard(guarded))
+    with pytest.raises(TimeoutError):  # the job may take longer than the wait: not run here
+        job.result(0.05)
+    assert runs == [] and guarded == [] and not job.done()
+    with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
+        pool.submit(job.run)
+        assert job.result(10) == 7
+    assert len(runs) == 1 and runs[0].startswith("worker")
 
 
 def test_a_job_a_worker_started_is_waited_for_not_run_again():
@@ -163,7 +176,7 @@ def test_an_error_of_a_stolen_job_surfaces_from_result():
 
     job = StealableJob(fail, counting_guard([]))
     with pytest.raises(ValueError, match="boom"):
-        job.result(1)
+        job.result()
     assert isinstance(job.exception(), ValueError)
 
 

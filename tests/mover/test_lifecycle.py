@@ -396,7 +396,7 @@ def test_close_waits_for_in_place_work_on_a_callers_thread(store, keyspace, call
         setattr(mover, job, timed)
         mover._inline_run = paused_guard
         t = mover.prefetch(keys[:1], torch.tensor([[8, 9, -1, 11]]))
-        caller = threading.Thread(target=lambda: out.setdefault("st", t.wait(30)))
+        caller = threading.Thread(target=lambda: out.setdefault("st", t.wait()))  # unbounded
     else:
         setattr(mover, job, timed)
         mover._inline_run = paused_guard
@@ -421,6 +421,30 @@ def test_close_waits_for_in_place_work_on_a_callers_thread(store, keyspace, call
     assert all(t <= closed_at for t in ran_at), "the store call ran after close() returned"
     assert out.get("st") == [Status.OK] or "closed" in out.get("refused", ""), out
     assert not regions & set(registered_regions(store))
+
+
+@pytest.mark.parametrize("how", ["wait", "wait_layer"])
+def test_a_bounded_wait_never_runs_a_queued_in_place_prefetch_itself(store, keyspace, how):
+    # An engine polling a prefetch with a timeout must get its TimeoutError on time: the
+    # store call is not run on its thread (it may take longer than the timeout).
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
+                           path="in_place", key_prefix="bounded")
+    keys = keyspace(1)
+    assert mover.evict(keys, pages(0, 1)).wait() == [Status.OK]
+    gate = threading.Event()
+    try:
+        mover._executor.submit(gate.wait, 30)  # the only worker is busy: the job stays queued
+        t = mover.prefetch(keys, pages(8, 1), layerwise=how == "wait_layer")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            t.wait(0.05) if how == "wait" else t.wait_layer(0, 0.05)
+        assert time.monotonic() - t0 < 5 and not t.done()
+    finally:
+        gate.set()
+    assert t.wait() == [Status.OK]
+    assert page_bytes(kv, pages(8, 1)[0]) == page_bytes(kv, pages(0, 1)[0])
+    mover.close()
 
 
 def test_store_close_while_transfers_run_waits_then_fails_new_calls(keyspace, monkeypatch):
