@@ -37,7 +37,15 @@ from kvmove.rows.device_ring import prepare_rings
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
-from kvmove.status import BAD_ROWS, CALL_TIMEOUT, CHECKSUM_MISMATCH, STAGING_TIMEOUT, Status
+from kvmove.status import (
+    BAD_ROWS,
+    CALL_TIMEOUT,
+    CHECKSUM_MISMATCH,
+    CLIENT_EXCEPTION,
+    MOVER_CLOSED,
+    STAGING_TIMEOUT,
+    Status,
+)
 from kvmove.transfer import (
     FutureEvent,
     LayerProgress,
@@ -275,12 +283,19 @@ class KVMover:
         size = self.staging.num_slots
         for first in range(0, len(call.keys), size):
             piece = call.piece(first, min(len(call.keys), first + size))
+            # A later piece that cannot start fails its keys instead of raising: the pieces
+            # before it are in flight, and their statuses must reach the caller.
             try:
                 slots = self.staging.alloc(len(piece.keys), timeout=self.alloc_timeout)
             except StagingFull:
                 if first == 0:
                     raise
                 transfer.add_piece(first, self._unstaged(len(call.keys) - first))
+                break
+            except Exception as e:
+                if first == 0:
+                    raise
+                transfer.add_piece(first, self._not_started(len(call.keys) - first, e))
                 break
             gathered = None
             try:
@@ -289,11 +304,14 @@ class KVMover:
                 gather_s = time.perf_counter() - t0
                 future = self._submit(self._put_job, piece, slots, gathered, gather_s,
                                       executor=self._put_executor)
-            except BaseException:
+            except BaseException as e:
                 if gathered is not None:  # a CUDA gather may still be writing into the slots
                     gathered.synchronize()
                 self.staging.free(slots)
-                raise
+                if first == 0 or not isinstance(e, Exception):
+                    raise
+                transfer.add_piece(first, self._not_started(len(call.keys) - first, e))
+                break
             transfer.add_piece(first, future)
             if gathered is not None:
                 transfer.gathered = gathered
@@ -374,6 +392,17 @@ class KVMover:
         log.warning("no staging slots came free within %s s: %d keys not moved",
                     self.alloc_timeout, n)
         return TransferResult([Status.FAILED] * n, [STAGING_TIMEOUT] * n, 0)
+
+    def _not_started(self, n: int, error: Exception) -> TransferResult:
+        """The result of the last ``n`` keys of an evict whose earlier pieces are in flight
+        when the next one could not start (the mover closed meanwhile, or an error)."""
+        closed = self._closed
+        log.log(logging.WARNING if closed else logging.ERROR,
+                "%d keys of an evict not moved: %s", n,
+                "the KVMover was closed during the call" if closed else repr(error),
+                exc_info=None if closed else error)
+        code = MOVER_CLOSED if closed else CLIENT_EXCEPTION
+        return TransferResult([Status.FAILED] * n, [code] * n, 0)
 
     def stats(self) -> MoverStats:
         with self._lock:

@@ -42,6 +42,7 @@ STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_
 WRITE_TIMEOUT = -10003  # a write to the receiver did not return within the call timeout
 NOT_SENT = -10004  # not tried: an earlier write to the same receiver had failed
 CALL_TIMEOUT = -10005  # the store call was given up at its bound (or not tried after one was)
+MOVER_CLOSED = -10006  # not tried: the KVMover was closed while the call was being split up
 
 CODE_NAMES = {
     CLIENT_EXCEPTION: "INTERNAL_ERROR",
@@ -50,6 +51,7 @@ CODE_NAMES = {
     WRITE_TIMEOUT: "KVMOVE_WRITE_TIMEOUT",
     NOT_SENT: "KVMOVE_NOT_SENT",
     CALL_TIMEOUT: "KVMOVE_CALL_TIMEOUT",
+    MOVER_CLOSED: "KVMOVE_MOVER_CLOSED",
     -200: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
     REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",

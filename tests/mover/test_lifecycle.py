@@ -447,6 +447,35 @@ def test_a_bounded_wait_never_runs_a_queued_in_place_prefetch_itself(store, keys
     mover.close()
 
 
+def test_an_evict_in_pieces_racing_close_reports_the_pieces_it_put(store, keyspace,
+                                                                   monkeypatch):
+    # Its first piece is put; close() comes while the second waits for slots: the call
+    # returns every key's status (it raised, and the caller never learnt what was stored).
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=2, path="staged",
+                           key_prefix="pieces")
+    keys = keyspace(6)
+    gate = Gate(store, monkeypatch, call="batch_put_from_multi_buffers")
+    out: dict = {}
+    caller = threading.Thread(
+        target=lambda: out.setdefault("transfer", mover.evict(keys, pages(0, 6))))
+    caller.start()
+    gate.wait_entered()  # piece 0 is at the store; piece 1 waits for its slots
+    closer = threading.Thread(target=mover.close)
+    closer.start()
+    time.sleep(0.2)
+    gate.open()
+    caller.join(30)
+    closer.join(30)
+    assert not caller.is_alive() and not closer.is_alive()
+    result = out["transfer"].result()
+    assert result.statuses[:2] == [Status.OK] * 2
+    assert result.statuses[2:] == [Status.FAILED] * 4
+    assert result.codes[2:] == [kvmove.status.MOVER_CLOSED] * 4
+    stored = store.exists(mover.keyspace.store_keys(keys))
+    assert stored == [s is Status.OK for s in result.statuses]
+
+
 def test_store_close_while_transfers_run_waits_then_fails_new_calls(keyspace, monkeypatch):
     with kvmove.MooncakeStore.embedded(global_segment_size="16mb") as s:
         kv = hybrid(64)
