@@ -192,9 +192,11 @@ class StoreConfig:
     "Clusters"). Replicas go to distinct segments; with fewer live segments than
     ``replicas``, Mooncake 0.3.13 stores as many as there are and answers ``OK``.
 
-    kvmove's own knobs: ``connect_timeout`` (seconds a plain TCP probe of the master may
-    take before :class:`kvmove.StoreError`; Mooncake's ``setup()`` alone would retry for
-    about 90 s; ``close()`` uses it too, to see whether the master is still there),
+    kvmove's own knobs: ``connect_timeout`` (seconds the master has to react to a probe
+    request before :class:`kvmove.StoreError`; Mooncake's ``setup()`` alone would retry for
+    about 90 s against a master that is not there, and freeze the process against one that
+    accepts connections but does not answer; ``close()`` uses it too, to see whether the
+    master is still there),
     ``max_batch_keys`` (keys per Mooncake
     call; larger batches are split) and ``detect_exists`` (ask the master which keys exist
     before a put, so that ``put`` can report ``Status.EXISTS``: Mooncake 0.3.13 answers ``0``

@@ -5,9 +5,11 @@ Every call returns one :class:`kvmove.Status` per key, in key order, as a
 each key for logs. A store failure is a per-key status, never an exception that loses the
 other keys' results: a Mooncake call that raises marks the keys of that call ``FAILED`` (code
 ``-1``). Two things do raise :class:`kvmove.StoreError`: a master that cannot be reached when
-the store is opened (probed with a plain TCP connect, bounded by ``connect_timeout``, before
-Mooncake's ``setup()``, which would retry for ~90 s), and a Mooncake answer with the wrong
-number of results (a broken contract, never silently truncated).
+the store is opened (probed before Mooncake's ``setup()`` with an RPC request it must react
+to within ``connect_timeout``: ``setup()`` would retry for ~90 s against a master that is not
+there, and freeze this whole process, GIL held, against one that accepts connections but
+does not answer, e.g. a stopped one), and a Mooncake answer with the wrong number of results
+(a broken contract, never silently truncated).
 
 Statuses (API.md "The store"):
 
@@ -23,7 +25,9 @@ Statuses (API.md "The store"):
   ``SIZE_MISMATCH``; ``-600`` (the destination is smaller than the object) and ``-800``
   (TRANSFER_FAIL, which 0.3.13 also answers when the destination is *larger*) are told apart
   from a real failure by asking ``get_size(key)``: a stored size other than the described
-  one -> ``SIZE_MISMATCH``; the key gone -> ``MISS``; otherwise ``FAILED``.
+  one -> ``SIZE_MISMATCH``; the key gone -> ``MISS``; otherwise ``FAILED``. Once one such
+  question goes unanswered (given up, or the master unreachable), the keys left are not
+  asked: ``-600`` -> ``SIZE_MISMATCH``, ``-800`` -> ``FAILED``.
 - ``remove``: ``0`` -> ``OK``; ``-704`` -> ``MISS``; anything else (``-706``: the key was
   read within the lease time and ``force`` was not given) -> ``FAILED``.
 - ``-707`` (lease expired during the transfer) is retried once for put and get, and a put's
@@ -54,7 +58,8 @@ for room in the transport's queue gives up when no call of its client returned f
 long. A call given up ends its keys ``FAILED`` (code ``CALL_TIMEOUT``, the cause in the log)
 and the calls of that put/get/exists/remove not started yet are not tried (same code), so a
 put or get ends at most about one ``call_timeout`` after the transport stopped making
-progress on it (a get's replica failover, below, adds at most one more). Mooncake may still
+progress on it (a get's ``get_size`` questions, above, add at most one more, and so does its
+replica failover, below, when the master stops answering). Mooncake may still
 write into (get) or read from (put) the memory of a call
 given up until it really returns (its own cap is 60 s): the result's ``late`` future
 completes then, and until then the store keeps the regions in use (``unregister`` refuses
@@ -62,7 +67,10 @@ them) and a caller must not free or reuse that memory (:class:`kvmove.KVMover` h
 staging slots). A client whose call was given up may be broken towards that holder for good
 (a wedged TCP queue), so the store replaces it: a new client (no segment of its own; the
 first client stays open while it holds this process's segment), the same regions
-registered again. Calls already running on the old client finish there.
+registered again. Calls already running on the old client (every chunk of a put or get that
+started there) finish there, and it is closed only once none runs on it. A new client is set
+up only against a master that answers (the probe above): while it does not, the old client
+stays in use and the next call given up tries again.
 
 Replica failover (:mod:`kvmove.store.replica_reader`): a key whose get failed in transport
 (``-800``: its first-listed replica's holder is dead) and that has another complete replica
@@ -93,6 +101,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -127,7 +137,7 @@ from kvmove.store.bounded_call import (
     settled,
 )
 from kvmove.store.config import StoreConfig
-from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster, tcp_reachable
+from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster
 from kvmove.store.native_log import native_stderr_captured, quiet_mooncake_log
 from kvmove.store.replica_reader import EndpointProbe, Replica, ReplicaReader, replicas_of
 from kvmove.store.transport_limits import limits_for, prepare_environment
@@ -204,6 +214,45 @@ def _stops_the_call(codes: list[int]) -> bool:
     return _unreachable(codes) or CALL_TIMEOUT in codes
 
 
+# A request the master must react to: a coro_rpc request header (magic 0xde, version 1,
+# struct_pack, request, sequence 0) for a function id no service registers, with no body.
+_PROBE_REQUEST = struct.pack("<BBBBIIII", 0xDE, 1, 0, 0, 0, 0x6B766D76, 0, 0)
+_NO_CONNECTION = "no TCP connection"
+_NO_ANSWER = "no answer to an RPC request"
+
+
+def _master_silence(host: str, port: int, timeout: float) -> str | None:
+    """``None`` when the master at ``host:port`` reacts to an RPC request within ``timeout``
+    seconds; otherwise why not, for an error message.
+
+    A TCP connect alone is not enough: a stopped (SIGSTOP) or wedged master still accepts
+    connections (the kernel does), and Mooncake's ``setup()`` against it waits for an
+    answer with the GIL held, freezing every thread of this process. So the
+    probe sends a request of an unknown function and waits for any reaction: the master
+    (coro_rpc) answers it or closes the connection at once (measured: ~0.2 ms on loopback,
+    nothing in its log); a master that does not run says nothing."""
+    deadline = time.monotonic() + timeout
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return _NO_CONNECTION
+    with sock:
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(_PROBE_REQUEST)
+            sock.recv(1)  # an answer, or b"" when the master closed the connection
+        except TimeoutError:
+            return _NO_ANSWER
+        except OSError:
+            pass  # reset by the master: it reacted
+    return None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 # The Mooncake calls that move bytes (their spans count against the transport's queue).
 _DATA_CALLS = frozenset({"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"})
 # Seconds close() waits for calls given up to return (Mooncake's own cap is 60 s).
@@ -239,6 +288,15 @@ class _Retired:
         self.holds_segment = holds_segment
 
 
+def _count_down(counter: Counter, key) -> int:
+    """Decrement ``counter[key]``, dropping the entry at zero (ids are reused); what is left."""
+    counter[key] -= 1
+    left = counter[key]
+    if left <= 0:
+        del counter[key]
+    return left
+
+
 class _ClientState:
     """What closing needs, held apart from the store so a finalizer can close it."""
 
@@ -250,6 +308,9 @@ class _ClientState:
         self.stale: deque = deque()  # regions of garbage-collected staging buffers
         self.retired: list[_Retired] = []  # replaced clients not closed yet
         self.retired_lock = threading.Lock()  # guards ``retired`` (and a retired client's close)
+        # Who runs on which client (guarded by the store's ``_lock``): a retired client is
+        # closed only once neither count has it.
+        self.users: Counter = Counter()  # id(client) -> store calls (_call_slot) using it
         self.late: set = set()  # futures of Mooncake calls given up and still running
         self.late_on: Counter = Counter()  # id(client) -> its calls given up and running
         self.reader: ReplicaReader | None = None  # replica failover reads (made lazily)
@@ -343,15 +404,16 @@ class MooncakeStore:
     def _connect(config: StoreConfig, master: EmbeddedMaster | None):
         prepare_environment(config.protocol)  # the TCP queues, read by setup()
         address = config.master_address
-        host, _, port = address.rpartition(":")
-        host = host.strip("[]")
-        if not tcp_reachable(host, int(port), config.connect_timeout):
+        silence = _master_silence(*_split_address(address), config.connect_timeout)
+        if silence is not None:
             detail = ""
             if master is not None:
                 detail = f"; embedded master log {master.log_path}:\n{master.log_tail()}"
+            hint = ("is mooncake_master running there?" if silence == _NO_CONNECTION else
+                    "it accepts connections: is the master stopped or hung?")
             raise StoreError(
-                f"cannot reach the Mooncake master at {address}: no TCP connection within "
-                f"{config.connect_timeout:g}s (is mooncake_master running there?){detail}"
+                f"cannot reach the Mooncake master at {address}: {silence} within "
+                f"{config.connect_timeout:g}s ({hint}){detail}"
             )
         quiet_mooncake_log()
         try:
@@ -443,17 +505,26 @@ class MooncakeStore:
 
     @contextlib.contextmanager
     def _call_slot(self):
+        """The current client, counted as a user of it until the block ends: a put/get of
+        several chunks keeps using the client it started with even if it is replaced
+        meanwhile, so a retired client is closed only once its last user is done."""
+        users = self._state.users
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store at {self.address} is closed")
             self._in_flight += 1
+            client = self._client
+            users[id(client)] += 1
         try:
-            yield self._client
+            yield client
         finally:
             with self._lock:
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self._lock.notify_all()
+                last = not _count_down(users, id(client)) and client is not self._client
+            if last:  # of a retired client
+                self._finish_if_unused(client)
 
     def close(self) -> None:
         """Wait for calls in flight, unregister every region, close the client and stop the
@@ -656,7 +727,7 @@ class MooncakeStore:
         background: a new client's set-up must not delay this call)."""
         name = getattr(fn, "__name__", "call")
         state = self._state
-        with self._register_lock:
+        with self._lock:
             state.late.add(late)
             state.late_on[id(client)] += 1
         late.add_done_callback(lambda f: self._late_returned(f, client))
@@ -672,17 +743,26 @@ class MooncakeStore:
 
     def _late_returned(self, future, client) -> None:
         state = self._state
-        with self._register_lock:
+        with self._lock:
             state.late.discard(future)
-            state.late_on[id(client)] -= 1
-            if state.late_on[id(client)] > 0:
+            if _count_down(state.late_on, id(client)):
                 return
-            del state.late_on[id(client)]
-        with state.retired_lock:
-            retired = next((r for r in state.retired if r.client is client), None)
         log.info("a Mooncake call given up earlier has returned")
+        self._finish_if_unused(client)
+
+    def _finish_if_unused(self, client) -> None:
+        """Close ``client`` (in the background: a close takes a while) if it was retired and
+        nothing runs on it any more: no store call holds it (``users``) and no call given
+        up on it is still running (``late_on``). Checked under ``_lock``, where the swap to a
+        new client happens too, so once both counts are zero on a retired client they stay
+        zero (only a user can give up a call, and no new user gets a retired client)."""
+        state = self._state
+        with self._lock, state.retired_lock:
+            if state.users[id(client)] or state.late_on[id(client)]:
+                return
+            retired = next((r for r in state.retired if r.client is client), None)
         if retired is not None:
-            self._finish_retired(retired)
+            default_runner().submit(self._finish_retired, retired)
 
     def _replace_client(self, old) -> None:
         """A new client (no segment of its own) with every region registered again, in place
@@ -693,11 +773,11 @@ class MooncakeStore:
                 return
             config = self.config.replace(global_segment_size=0, connect_timeout=min(
                 self.config.connect_timeout, 1.0))
-            try:
+            try:  # probes the master first: setup() against a silent one would freeze us
                 new = self._connect(config, None)
             except Exception as e:
                 log.warning("could not open a replacement Mooncake client (%s); the current "
-                            "one stays in use", e)
+                            "one stays in use until a later call given up tries again", e)
                 return
             with self._register_lock:
                 for address, nbytes in state.registered.items():
@@ -711,37 +791,33 @@ class MooncakeStore:
                 self._budgets[id(new)] = SpanBudget(self.limits.inflight_spans)
                 holds = old is self._segment_client
                 retired = _Retired(old, list(state.registered), holds)
-                with state.retired_lock:
+                with self._lock, state.retired_lock:  # calls from now on get the new one
                     state.retired.append(retired)
-                state.client = self._client = new
-                done = not state.late_on[id(old)]
+                    state.client = self._client = new
             log.warning("replaced the Mooncake client after a call was given up (%d client(s) "
                         "retired%s)", len(state.retired),
                         "; the first keeps this process's segment" if holds else "")
-        if done:
-            self._finish_retired(retired)
+        self._finish_if_unused(old)  # else its last user, or its last late call, does
 
     def _finish_retired(self, retired: _Retired) -> None:
-        """A retired client whose late calls have all returned: unregister its regions and
-        close it, unless it holds this process's segment (closed with the store) or the
-        master is unreachable (a close would block for seconds; the store's close does it)."""
+        """A retired client that nothing runs on any more (:meth:`_finish_if_unused`):
+        unregister its regions and close it, unless it holds this process's segment (closed
+        with the store) or the master does not answer (a close would block for seconds; the
+        store's close does it). Safe to run twice, and beside the store's close: whoever
+        takes the client out of ``state.retired`` (under ``retired_lock``) closes it."""
         state = self._state
-        with self._register_lock:
+        closing = not retired.holds_segment and \
+            _master_silence(*_split_address(self.address), 0.5) is None
+        with self._register_lock, state.retired_lock:
             client = retired.client
-            if client is None:
+            if client is None or retired not in state.retired:  # the store closed it
                 return
             for address in retired.regions:
                 with contextlib.suppress(Exception):
                     client.unregister_buffer(address)
             retired.regions = []
             self._budgets.pop(id(client), None)
-        if retired.holds_segment:
-            return
-        host, _, port = self.address.rpartition(":")
-        if not tcp_reachable(host.strip("[]"), int(port), 0.5):
-            return
-        with state.retired_lock:  # the store's close may take it first
-            if retired not in state.retired or retired.client is None:
+            if not closing:
                 return
             state.retired.remove(retired)
             retired.client = None
@@ -911,10 +987,7 @@ class MooncakeStore:
             if codes == expected:  # the common case: every key read in full
                 statuses = [Status.OK] * len(codes)
             else:
-                statuses = [
-                    self._get_status(client, key, code, size)
-                    for key, code, size in zip(desc.keys, codes, expected, strict=True)
-                ]
+                statuses = self._get_statuses(client, desc.keys, codes, expected)
         result = StoreResult(statuses, codes, uses.late)
         self._log_outcome("get", desc.keys, result)
         return result
@@ -933,7 +1006,27 @@ class MooncakeStore:
                 return _Codes(codes, settled([getattr(codes, "late", None), again.late]))
         return codes
 
-    def _get_status(self, client, key: str, code: int, size: int) -> Status:
+    def _get_statuses(self, client, keys: list[str], codes: list[int],
+                      expected: list[int]) -> list[Status]:
+        """Each key's status from its get code. A ``-600``/``-800`` is told apart by asking
+        the master ``get_size(key)`` (bounded), one key after the other; once one question
+        is given up or the master is unreachable, the keys left are not asked (each would
+        wait as long again) and end as an unanswered question does."""
+        statuses, ask = [], True
+        for key, code, size in zip(keys, codes, expected, strict=True):
+            stored = CLIENT_EXCEPTION  # the object's stored size, when asked and answered
+            if ask and code in (INVALID_PARAMS, TRANSFER_FAIL):
+                asked = self._bounded(client.get_size, key)
+                if asked.done and asked.error is None:
+                    stored = asked.value
+                ask = asked.done and stored not in (RPC_FAIL, RPC_TIMEOUT)
+            statuses.append(self._get_status(code, size, stored))
+        return statuses
+
+    @staticmethod
+    def _get_status(code: int, size: int, stored: int) -> Status:
+        """A key's status from its get ``code``, its described ``size`` and, for ``-600`` and
+        ``-800``, its ``stored`` size (``get_size``; negative: not known)."""
         if code == size:
             return Status.OK
         if code >= 0:
@@ -941,8 +1034,6 @@ class MooncakeStore:
         if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return Status.MISS
         if code in (INVALID_PARAMS, TRANSFER_FAIL):
-            asked = self._bounded(client.get_size, key)
-            stored = asked.value if asked.done and asked.error is None else CLIENT_EXCEPTION
             if stored == OBJECT_NOT_FOUND:
                 return Status.MISS
             if stored >= 0:
@@ -992,7 +1083,11 @@ class MooncakeStore:
             return None
         t0 = time.monotonic()
         keys = [desc.keys[i] for i in idx]
-        self._bounded(client.batch_is_exist, keys)  # a read leases the keys: no removal
+        leased = self._bounded(client.batch_is_exist, keys)  # a read leases the keys
+        if not leased.done:  # the master is stuck: listing would wait as long again
+            log.warning("replica failover: the master did not answer for %d keys within the "
+                        "bound; not tried", len(keys))
+            return None
         listed = self._bounded(client.batch_get_replica_desc, keys)
         if not listed.done or listed.error is not None:
             log.warning("replica failover: could not list the replicas of %d keys (%s)",
