@@ -166,11 +166,33 @@ class KVMover:
         if not isinstance(prefetch_into_free_rows, bool):
             raise TypeError(f"prefetch_into_free_rows must be a bool, got "
                             f"{prefetch_into_free_rows!r}")
-        self.path_choice = self._choose_path(check_path(path), page_tokens, staging_slots,
-                                             backend, layout, checksum,
-                                             prefetch_into_free_rows)
+        # Every argument is checked before anything is registered with the store or probed.
+        check_positive_int(page_tokens, "page_tokens")
+        check_positive_int(staging_slots, "staging_slots")
+        check_layout(layout, LAYOUTS)
+        resolve_backend(backend, kv.row_pool.device)
+        path = check_path(path)
+        if raw_keys and key_prefix:
+            raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
+        self.keyspace = (RawKeys() if raw_keys
+                         else KeySpace(kv, page_tokens, key_prefix, checksum=checksum,
+                                       layout=layout))
+        self.path_choice = self._choose_path(path, page_tokens, staging_slots, backend, layout,
+                                             checksum, prefetch_into_free_rows)
         wanted = "in_place" in (self.path_choice.evict, self.path_choice.prefetch)
         self._rows = self._register_rows(page_tokens, layout, asked=path) if wanted else None
+        try:
+            self._build(page_tokens, staging_slots, backend, layout, checksum, workers,
+                        alloc_timeout, check)
+        except BaseException:
+            self._unregister_rows()  # the KV memory is not left registered with the store
+            raise
+
+    def _build(self, page_tokens, staging_slots, backend, layout, checksum, workers,
+               alloc_timeout, check) -> None:
+        """The rest of ``__init__``, once the path is chosen (and the KV rows registered
+        where it is in place): staging, prepared copies, streams, workers."""
+        kv, store = self.kv, self.store
         choice = self.path_choice  # staged after all where the store refused the KV memory
         self.path = choice.path
         self._evict_rows = self._rows if choice.evict == "in_place" else None
@@ -186,11 +208,6 @@ class KVMover:
         self.device = kernel_device(kv.row_pool, self.staging.row_pool)
         resolve_backend(backend, self.device)  # validates; "auto" is resolved per buffer
         self.backend = backend
-        if raw_keys and key_prefix:
-            raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
-        self.keyspace = (RawKeys() if raw_keys
-                         else KeySpace(kv, page_tokens, key_prefix, checksum=checksum,
-                                       layout=layout))
         self.alloc_timeout = alloc_timeout
         self.check = check
         cuda = self.device.type == "cuda"
@@ -226,12 +243,8 @@ class KVMover:
 
     def _choose_path(self, path, page_tokens, staging_slots, backend, layout, checksum,
                      free_rows):
-        """The :class:`~kvmove.path_choice.PathChoice` for ``path`` (arguments the probe
-        uses are checked first: a bad one raises here, not inside the probe)."""
-        check_positive_int(page_tokens, "page_tokens")
-        check_positive_int(staging_slots, "staging_slots")
-        check_layout(layout, LAYOUTS)
-        resolve_backend(backend, self.kv.row_pool.device)
+        """The :class:`~kvmove.path_choice.PathChoice` for ``path`` (the arguments the probe
+        uses are checked already)."""
 
         def scratch_mover(cache, path, slots):
             return KVMover(cache, self.store, page_tokens=page_tokens, staging_slots=slots,
@@ -431,6 +444,18 @@ class KVMover:
             return
         self._release_staging()
 
+    def _unregister_rows(self) -> None:
+        """Unregister the KV rows described in place (if any) and free their padding."""
+        if self._rows is None:
+            return
+        unregister = getattr(self.store, "unregister", None)
+        if unregister is not None:
+            try:
+                unregister(self._rows)
+            except Exception as e:
+                log.warning("unregistering the KV rows failed: %s", e)
+        self._rows.close()
+
     def _release_staging(self) -> None:
         unregister = getattr(self.store, "unregister", None)
         if unregister is not None:
@@ -438,13 +463,7 @@ class KVMover:
                 unregister(self.staging)
             except Exception as e:  # the store may already be closed or its master gone
                 log.warning("unregistering the staging failed: %s", e)
-        if self._rows is not None and unregister is not None:
-            try:
-                unregister(self._rows)
-            except Exception as e:
-                log.warning("unregistering the KV rows failed: %s", e)
-        if self._rows is not None:
-            self._rows.close()
+        self._unregister_rows()
         # Every transfer has ended (the executor is shut down), so every slot is free: a
         # slot still allocated here is the caller's own (staging.alloc), in use or not.
         self.staging.close(timeout=5.0)

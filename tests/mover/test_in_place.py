@@ -377,3 +377,29 @@ def test_the_mover_passes_its_promise_about_prefetch_rows(store, monkeypatch):
                            prefetch_into_free_rows="yes")
     finally:
         path_choice.forget_recorded()
+
+
+@pytest.mark.parametrize("bad", [{"raw_keys": True, "key_prefix": "x"}, {"key_prefix": "a\n"},
+                                 {"key_prefix": "a b"}, {"backend": "cuda"}])
+def test_a_bad_argument_raises_before_the_kv_memory_is_registered(store, bad):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    before = set(registered_regions(store))
+    with pytest.raises((ValueError, TypeError)):
+        kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place", **bad)
+    assert set(registered_regions(store)) == before
+
+
+def test_a_mover_that_fails_to_build_unregisters_the_kv_memory(store, monkeypatch):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    before = set(registered_regions(store))
+
+    def no_staging(*args, **kwargs):
+        raise MemoryError("no pinned memory left")
+
+    monkeypatch.setattr(mover_module, "StagingBuffer", no_staging)
+    with pytest.raises(MemoryError):
+        kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place")
+    assert set(registered_regions(store)) == before
+    monkeypatch.undo()
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place") as m:
+        assert m.path == "in_place"  # the same memory registers again
