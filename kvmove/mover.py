@@ -238,6 +238,9 @@ class KVMover:
         self._stats = MoverStats(statuses={s: 0 for s in Status})
         self._closed = False
         self._late_slots = 0  # staging slots held for store calls given up (see _free_after)
+        # Store keys of in-place puts given up whose Mooncake call has not returned (see
+        # _forget_when_done): a new put of one is not sent meanwhile.
+        self._late_keys: set[str] = set()
         store.register(self.staging)
         log_choice(self.path_choice)
 
@@ -570,7 +573,7 @@ class KVMover:
                 times.gather += time.perf_counter() - t0
             desc = self._describe(kept, [piece.keys[i] for i in good.tolist()], valid)
             t0 = time.perf_counter()
-            got, got_codes, late = self._store_call(self.store.put, desc)
+            got, got_codes, late, _ = self._store_call(self.store.put, desc)
             times.put = time.perf_counter() - t0
             for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
                 statuses[i], codes[i] = st, code
@@ -610,7 +613,7 @@ class KVMover:
         times = StageTimes()
         t0 = time.perf_counter()
         desc = self._describe(slots, piece.keys, piece.valid)
-        statuses, codes, given_up = self._store_call(self.store.get, desc)
+        statuses, codes, given_up, _ = self._store_call(self.store.get, desc)
         late.append(given_up)  # a get given up may still write into these slots
         if self._checksum is not None:
             self._verify(slots, piece.valid, statuses, codes)
@@ -688,19 +691,22 @@ class KVMover:
                 statuses[i], codes[i] = Status.FAILED, CHECKSUM_MISMATCH
                 log.warning("object %s failed its checksum; not scattered", i)
 
-    def _store_call(self, op, desc: Descriptors) -> tuple[list[Status], list[int], object]:
+    def _store_call(self, op, desc: Descriptors
+                    ) -> tuple[list[Status], list[int], object, object]:
         """Run a store put/get; an exception becomes FAILED for every key, never lost. The
-        third item is the future of store calls given up on this memory, or None."""
+        third item is the future of store calls given up on this memory, or None; the
+        fourth a put's ``late_stored`` (the keys those calls stored after all), or None."""
         if len(desc) == 0:
-            return [], [], None
+            return [], [], None, None
         try:
             statuses = op(desc)
         except Exception as e:
             log.warning("%s of %d keys failed: %s", getattr(op, "__name__", "store call"),
                         len(desc), e)
-            return [Status.FAILED] * len(desc), [-1] * len(desc), None
+            return [Status.FAILED] * len(desc), [-1] * len(desc), None, None
         codes = list(getattr(statuses, "codes", [0 if s is Status.OK else -1 for s in statuses]))
-        return list(statuses), codes, getattr(statuses, "late", None)
+        return (list(statuses), codes, getattr(statuses, "late", None),
+                getattr(statuses, "late_stored", None))
 
 
     # -- the in-place path ----------------------------------------------------------------
@@ -748,31 +754,51 @@ class KVMover:
         desc = self._evict_rows.describe_trusted(
             pages, self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
             call.valid[good], get=False)
+        pending = self._late_keys
+        if pending:  # a put of these keys given up earlier may still store them
+            held = np.fromiter((k in pending for k in desc.keys), dtype=bool, count=len(desc))
+            if held.any():
+                log.warning("evict: %d keys not stored: an earlier in-place put of them was "
+                            "given up and has not returned", int(held.sum()))
+                for i in good[held].tolist():
+                    codes[i] = CALL_TIMEOUT
+                good = good[~held]
+                desc = desc.select(np.flatnonzero(~held).tolist())
         t0 = time.perf_counter()
-        got, got_codes, late = self._store_call(self.store.put, desc)
+        got, got_codes, _, late_stored = self._store_call(self.store.put, desc)
         times = StageTimes(put=time.perf_counter() - t0)
         for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
             statuses[i], codes[i] = st, code
-        if late is not None:
-            self._forget_when_done(late, [k for k, c in zip(desc.keys, got_codes, strict=True)
-                                          if c == CALL_TIMEOUT])
+        if late_stored is not None:
+            self._forget_when_done(late_stored, [k for k, c in zip(desc.keys, got_codes,
+                                                                   strict=True)
+                                                 if c == CALL_TIMEOUT])
         result = TransferResult(statuses, codes, _ok_bytes(desc, got), times)
         self._count(result, put=True)
         return result
 
-    def _forget_when_done(self, late, keys: list[str]) -> None:
+    def _forget_when_done(self, late_stored, keys: list[str]) -> None:
         """An in-place put given up still reads the KV rows until Mooncake returns, and the
         engine may have written them meanwhile (its evict ended FAILED): once the call has
-        returned, remove what it may have stored, so no key holds bytes of two moments."""
-        def remove(_future) -> None:
+        returned, remove what it stored after all (``late_stored``; never a key it did not
+        store: that may hold a good object of an earlier put), so no key holds bytes of two
+        moments. Until then a new in-place put of ``keys`` is not sent (it ends FAILED)."""
+        with self._lock:
+            self._late_keys.update(keys)
+
+        def remove(future) -> None:
+            stored = future.result()
             try:
-                self.store.remove(keys, force=True)
+                if stored:
+                    self.store.remove(stored, force=True)
             except Exception as e:  # the store may be closed by then
                 log.warning("removing %d keys of an in-place put given up failed: %s",
-                            len(keys), e)
+                            len(stored), e)
+            finally:
+                with self._lock:
+                    self._late_keys.difference_update(keys)
 
-        if keys:
-            late.add_done_callback(remove)
+        late_stored.add_done_callback(remove)
 
     def _get_in_place(self, call: Call, layerwise: bool, progress: LayerProgress
                       ) -> TransferResult:
@@ -786,7 +812,7 @@ class KVMover:
                                                         self.keyspace.store_keys(call.keys),
                                                call.valid, get=True, bad=bad)
             t0 = time.perf_counter()
-            statuses, codes, late = self._store_call(self.store.get, desc)
+            statuses, codes, late, _ = self._store_call(self.store.get, desc)
             if late is not None:
                 # A get given up may still write into the KV rows until Mooncake returns
                 # (at most its own transfer timeout, 60 s): the prefetch ends only then,

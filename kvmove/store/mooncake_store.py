@@ -166,14 +166,23 @@ class StoreResult(list):
     ``kvmove.status.CALL_TIMEOUT`` for a call given up at ``call_timeout``), and ``late``:
     ``None``, or a future that completes when the Mooncake calls given up have really
     returned (until then they may still write into, or read from, the memory of the
-    descriptors: do not free or reuse it)."""
+    descriptors: do not free or reuse it). A put's ``late_stored``: ``None`` when no put
+    call was given up, else a future that completes with ``late``'s calls and holds the keys
+    those calls stored after all (answered ``0``, or raised: not known, counted as stored),
+    whose bytes are whatever the spans held when Mooncake read them; a key a given-up call
+    did not store (an error code; not tried) is not among them. Mooncake 0.3.13 answers
+    ``0`` to a put of a key that exists too (keeping the stored object), so a key stored
+    by another put after the exists check (``detect_exists``), or any existing key without
+    that check, counts as stored."""
 
-    __slots__ = ("codes", "late")
+    __slots__ = ("codes", "late", "late_stored")
 
-    def __init__(self, values: Iterable = (), codes: Iterable[int] = (), late=None):
+    def __init__(self, values: Iterable = (), codes: Iterable[int] = (), late=None,
+                 late_stored: Future | None = None):
         super().__init__(values)
         self.codes = list(codes)
         self.late = late
+        self.late_stored = late_stored
 
     @property
     def all_ok(self) -> bool:
@@ -260,13 +269,41 @@ _LATE_CLOSE_WAIT_S = 75.0
 
 
 class _Codes(list):
-    """A Mooncake call's per-key codes; ``late``: the call given up, when it was."""
+    """A Mooncake call's per-key codes; ``late``: the call given up, when it was;
+    ``late_puts``: ``(keys, future)`` of each put call given up (the future holds its raw
+    codes once it returns)."""
 
-    __slots__ = ("late",)
+    __slots__ = ("late", "late_puts")
 
-    def __init__(self, values, late=None):
+    def __init__(self, values, late=None, late_puts=()):
         super().__init__(values)
         self.late = late
+        self.late_puts = list(late_puts)
+
+
+def _stored_late(late_puts: list[tuple[list[str], Future]]) -> Future | None:
+    """A future holding the keys the put calls given up stored after all (their code ``0``;
+    every key of a call that raised: not known), once every one of them has returned."""
+    if not late_puts:
+        return None
+    stored: Future = Future()
+
+    def collect(_f=None) -> None:
+        keys = []
+        for call_keys, future in late_puts:
+            try:
+                codes = list(future.result())
+            except Exception:
+                codes = [0] * len(call_keys)
+            keys += [k for k, c in zip(call_keys, codes, strict=False) if c == 0]
+        stored.set_result(keys)
+
+    joined = settled(f for _, f in late_puts)
+    if joined is None:
+        collect()
+    else:
+        joined.add_done_callback(collect)
+    return stored
 
 
 class _Uses:
@@ -917,7 +954,8 @@ class MooncakeStore:
                         f"({code_name(stop[0])})" if stop[0] != CALL_TIMEOUT else
                         "a Mooncake call was given up", untried)
         assert len(codes) == n
-        return _Codes(codes, settled(getattr(p, "late", None) for p in parts))
+        return _Codes(codes, settled(getattr(p, "late", None) for p in parts),
+                      [lp for p in parts for lp in getattr(p, "late_puts", ())])
 
     @staticmethod
     def _check_desc(desc) -> Descriptors:
@@ -939,7 +977,8 @@ class MooncakeStore:
             codes = self._chunked(self._span_chunks(desc),
                                   lambda c: self._put_chunk(client, desc[c], check))
             uses.late = codes.late
-        result = StoreResult(map(_put_status, codes), codes, uses.late)
+        result = StoreResult(map(_put_status, codes), codes, uses.late,
+                             _stored_late(codes.late_puts))
         self._log_outcome("put", desc.keys, result)
         return result
 
@@ -952,7 +991,7 @@ class MooncakeStore:
             for i in [i for i, flag in enumerate(flags) if flag == 1]:
                 codes[i] = OBJECT_ALREADY_EXISTS
         todo = [i for i, c in enumerate(codes) if c is None]
-        late = []
+        late, late_puts = [], []
         for attempt in range(2):
             if not todo:
                 break
@@ -960,6 +999,8 @@ class MooncakeStore:
             result = self._batch(client.batch_put_from_multi_buffers, sub.keys, sub.ptrs,
                                  sub.sizes, self._replicate)
             late.append(getattr(result, "late", None))
+            if late[-1] is not None:
+                late_puts.append((list(sub.keys), late[-1]))
             for i, code in zip(todo, result, strict=True):
                 codes[i] = code
             # Once more for a lease that expired mid-transfer, and for a transfer that failed
@@ -967,7 +1008,7 @@ class MooncakeStore:
             # a failed put leaves no object behind).
             todo = [i for i in todo if codes[i] in (LEASE_EXPIRED, TRANSFER_FAIL)] \
                 if attempt == 0 else []
-        return _Codes(codes, settled(late))
+        return _Codes(codes, settled(late), late_puts)
 
     def get(self, desc: Descriptors) -> StoreResult:
         """Read each key's object into its spans. One :class:`Status` per key: ``OK`` only

@@ -8,6 +8,7 @@ in place cannot hold."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -403,3 +404,84 @@ def test_a_mover_that_fails_to_build_unregisters_the_kv_memory(store, monkeypatc
     monkeypatch.undo()
     with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place") as m:
         assert m.path == "in_place"  # the same memory registers again
+
+
+@pytest.fixture
+def slow_puts(store, monkeypatch):
+    """A second store on the master (one key per Mooncake call; calls given up at 0.5 s)
+    whose Mooncake puts take 1.5 s while ``slow[0]`` is true."""
+    config = kvmove.StoreConfig(master_address=store.address, max_batch_keys=1,
+                                call_timeout=0.5, global_segment_size=0)
+    s = kvmove.MooncakeStore(config)
+    slow = [False]
+    real = s._batch
+
+    def batch(fn, keys, *args):
+        if fn.__name__ == "batch_put_from_multi_buffers" and slow[0]:
+            inner = fn
+
+            def batch_put_from_multi_buffers(*a):  # a data call, run late
+                time.sleep(1.5)
+                return inner(*a)
+
+            fn = batch_put_from_multi_buffers
+        return real(fn, keys, *args)
+
+    monkeypatch.setattr(s, "_batch", batch)
+    yield s, slow
+    s.close()
+
+
+def returned(store) -> None:
+    """Wait for the store's calls given up to return (and their callbacks to run)."""
+    deadline = time.monotonic() + 10
+    while store._state.late and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not store._state.late
+    time.sleep(0.3)  # the removal runs in the late call's callback
+
+
+def test_a_put_given_up_removes_only_what_it_stored(slow_puts, keyspace):
+    # Keys are content hashes: an evict of keys stored earlier is common. A put given up
+    # removes, once it returns, the keys it stored (their bytes may be of two moments), not
+    # a key it never tried (an object stored earlier, good, stays).
+    s, slow = slow_puts
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    new, old = keyspace(2)
+    pages = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
+        assert m.evict([old], pages[1:]).wait() == [Status.OK]
+        slow[0] = True
+        result = m.evict([new, old], pages).result()  # new's call given up, old's not tried
+        assert result.statuses == [Status.FAILED] * 2
+        assert result.codes == [kvmove.status.CALL_TIMEOUT] * 2
+        slow[0] = False
+        returned(s)
+        dest = torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]])
+        assert m.prefetch([new, old], dest).wait() == [Status.MISS, Status.OK]
+        for name in kv.buffer_names:
+            for layer in range(kv.num_layers(name)):
+                assert torch.equal(kv.layer(name, layer)[12:16], kv.layer(name, layer)[4:8])
+
+
+def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(slow_puts,
+                                                                              keyspace):
+    # The late call stores the key (bytes of a moment the engine may have written over) and
+    # is then removed: a retry meanwhile would be reported stored, then removed. It ends
+    # FAILED instead; once the late call has returned, a retry stores the key for good.
+    s, slow = slow_puts
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    keys = keyspace(1)
+    page = torch.tensor([[0, 1, 2, 3]])
+    with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
+        slow[0] = True
+        assert m.evict(keys, page).wait() == [Status.FAILED]
+        slow[0] = False
+        retry = m.evict(keys, page).result()
+        assert retry.statuses == [Status.FAILED]
+        assert retry.codes == [kvmove.status.CALL_TIMEOUT]
+        returned(s)
+        assert not m._late_keys
+        assert s.exists(m.keyspace.store_keys(keys)) == [False]  # the late object is removed
+        assert m.evict(keys, page).wait() == [Status.OK]
+        assert m.prefetch(keys, torch.tensor([[8, 9, 10, 11]])).wait() == [Status.OK]
