@@ -22,8 +22,7 @@ What cannot be in place, and what stands in:
 
 - a padding row (``-1``) inside a page's valid rows has no KV row: a put reads a row of
   zeros there, a get writes those bytes into a row kept for discarding (the staged path
-  stores whatever its staging slot held for such a row, and drops it on the way back:
-  either way those bytes carry nothing);
+  zeroes such a row in its staging slot, and drops it on the way back: the same object);
 - ``get(bad=...)``: the rows of a key whose page names a row outside the cache (``check=False``)
   go to the discard row too, so that the store still answers for the key (its status is the
   same as on the staged path) while no byte lands outside the cache;

@@ -509,6 +509,7 @@ class KVMover:
                 self._evict_stream.wait_event(ordered)
             copy_pages(self._gather, piece.pages, slots, None)
             piece.fetch_bad()
+            piece.fetch_pages()  # the put job finds the padding on the host (_zero_padding)
             event = torch.cuda.Event(blocking=True)  # a worker sleeps on it, never spins
             event.record(self._evict_stream)
         return event
@@ -565,6 +566,7 @@ class KVMover:
             if bad is not None:
                 log.warning("evict: %d of %d keys have out-of-range rows; not stored",
                             n - good.size, n)
+            self._zero_padding(piece, slots)
             kept = slots if bad is None else slots[torch.from_numpy(good)]
             valid = piece.valid[good]
             if self._checksum is not None:
@@ -582,6 +584,29 @@ class KVMover:
         result = TransferResult(statuses, codes, _ok_bytes(desc, got), times)
         self._count(result, put=True)
         return result
+
+    def _zero_padding(self, piece: Call, slots: torch.Tensor) -> None:
+        """Zero the staging rows of the ``-1`` entries within a page's valid tokens: the
+        gather skips them, and an object holds zeros there whichever the path (in place
+        they are read from a zero row), never what the slot held before (another key's
+        rows). One compare over the pages when there is no such entry."""
+        pages = piece.pages_on_host()
+        pad = pages < 0
+        if not pad.any():
+            return
+        pad &= self._page_rows[None, :] < piece.valid[:, None]
+        key, token = np.nonzero(pad)
+        if key.size == 0:
+            return
+        slot, token = slots[torch.from_numpy(key)], torch.from_numpy(token)
+        staging = self.staging
+        for name in staging.buffer_names:
+            tensor = staging.tensor(name)
+            if staging.layout == "page_first":  # [slots, page_tokens, L, row bytes]
+                tensor[slot, token] = 0
+            else:  # [L, slots, page_tokens * row bytes]
+                tensor.view(tensor.shape[0], staging.num_slots, staging.page_tokens,
+                            -1)[:, slot, token] = 0
 
     def _get_job(self, call: Call, layerwise: bool, progress: LayerProgress) -> TransferResult:
         results, event = [], None
@@ -862,6 +887,7 @@ class Call:
     bad: np.ndarray | torch.Tensor | None  # bool [n]: a row of the key's page out of range
     ordered: object = None  # CUDA event after the caller's work at call time
     _bad_host: torch.Tensor | None = None
+    _pages_host: torch.Tensor | None = None
 
     def piece(self, first: int, last: int) -> Call:
         bad = None if self.bad is None else self.bad[first:last]
@@ -872,6 +898,15 @@ class Call:
         """Enqueue the copy of a device ``bad`` mask to the host (on the current stream)."""
         if isinstance(self.bad, torch.Tensor):
             self._bad_host = self.bad.to("cpu", non_blocking=True)
+
+    def fetch_pages(self) -> None:
+        """Enqueue the copy of device ``pages`` to the host (on the current stream)."""
+        if self.pages.is_cuda:
+            self._pages_host = self.pages.to("cpu", non_blocking=True)
+
+    def pages_on_host(self) -> np.ndarray:
+        """``pages`` on the host: after :meth:`fetch_pages` and a wait for the stream."""
+        return (self._pages_host if self.pages.is_cuda else self.pages).numpy()
 
     def bad_on_host(self) -> np.ndarray | None:
         """``bad`` on the host: after :meth:`fetch_bad` and a wait for the stream."""

@@ -90,6 +90,9 @@ def test_both_paths_store_the_same_objects_and_read_each_others(movers, store, k
     src = torch.tensor([[0, 1, 2, 3], [9, 5, 30, 7], [10, 11, -1, 13], [40, 41, 42, -1]])
     valid = [4, 4, 4, 3]  # a hole inside the valid rows, and a partial page
     keys = {p: keyspace(4, tag=p) for p in PATHS}
+    # Every staging slot holds other pages first: the hole must not carry them.
+    dirt = torch.arange(48, 80).reshape(8, 4)
+    assert pair["staged"].evict(keyspace(8, tag="dirt"), dirt).wait(30) == [Status.OK] * 8
     for p, m in pair.items():
         assert m.evict(keys[p], src, valid_tokens=valid).wait(30) == [Status.OK] * 4
     sizes = [kvmove.StagingBuffer(kv, num_slots=1, page_tokens=4).object_bytes] * 3
