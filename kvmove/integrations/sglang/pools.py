@@ -9,6 +9,11 @@ Served (the objects SGLang's own Mooncake backend stores):
 - MHA (``MHATokenToKVPoolHost.kv_buffer``, ``[2, ...]``): ``page_first`` and
   ``page_first_direct``; two objects per page, k then v. (SGLang's Mooncake backend refuses
   MHA ``layer_first`` too: its k and v spans of a page are interleaved per layer.)
+- MHA with K and V of different head dims (``AsymmetricMHATokenToKVPoolHost``, e.g.
+  MiMo-V2: ``kv_buffer`` is a pair ``(k_buffer, v_buffer)``, ``[size, L, heads, head_dim]``
+  and ``[size, L, heads, v_head_dim]`` in ``page_first``, ``[pages, L, page, heads, dim]``
+  in ``page_first_direct``, the only layouts SGLang allocates for it): the same two objects
+  per page, each one contiguous span of its own buffer, as its ``get_page_buffer_meta``.
 - the DSA indexer side pool (``DSAIndexerPoolHost.index_k_with_scale_buffer``, ``[pages, L,
   1, page_bytes]``): ``page_first`` and ``page_first_direct``; one object per page.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kvmove.checks import page_numbers
 from kvmove.memory.host_pool import HostPool
@@ -73,18 +79,57 @@ def kv_view(pool, *, is_mla: bool) -> PoolView:
     if is_mla:
         if layout not in MLA_LAYOUTS:
             raise _unsupported(kind, layout, MLA_LAYOUTS)
-        if buffer.dim() not in (4, 5):
-            raise ValueError(f"MLA host pool kv_buffer has shape {tuple(buffer.shape)}; "
-                             f"is the storage config's is_mla_model right?")
+        if not isinstance(buffer, torch.Tensor) or buffer.dim() not in (4, 5):
+            raise ValueError(f"MLA host pool {type(pool).__name__} kv_buffer is "
+                             f"{_describe_buffer(buffer)}, expected one [L, size, 1, dim] "
+                             f"tensor or its page_first form; is the storage config's "
+                             f"is_mla_model right?")
         return PoolView((HostPool({"kv": buffer}, page_tokens=page, layout=layout),), page,
                         "MLA")
     if layout not in MHA_LAYOUTS:
         raise _unsupported(kind, layout, MHA_LAYOUTS)
+    if isinstance(buffer, (tuple, list)):
+        return _split_kv_view(pool, buffer, layout, page)
     if buffer.dim() < 5 or buffer.shape[0] != 2:
         raise ValueError(f"MHA host pool kv_buffer has shape {tuple(buffer.shape)}, expected "
                          f"[2, ...] (k and v); is the storage config's is_mla_model right?")
     return PoolView((HostPool({"k": buffer[0]}, page_tokens=page, layout=layout),
                      HostPool({"v": buffer[1]}, page_tokens=page, layout=layout)), page, "MHA")
+
+
+def _describe_buffer(buffer) -> str:
+    if isinstance(buffer, torch.Tensor):
+        return f"a tensor of shape {tuple(buffer.shape)}"
+    if isinstance(buffer, (tuple, list)):
+        return (f"a {type(buffer).__name__} of "
+                f"{[tuple(getattr(b, 'shape', ())) or type(b).__name__ for b in buffer]}")
+    return type(buffer).__name__
+
+
+def _split_kv_view(pool, buffers, layout: str, page: int) -> PoolView:
+    """K and V in two buffers of their own (SGLang's ``AsymmetricMHATokenToKVPoolHost``:
+    ``head_dim != v_head_dim``): the k and v objects of a page, each one contiguous span of
+    its buffer (``page_first``: ``[size, L, heads, dim]``, token by token;
+    ``page_first_direct``: ``[pages, L, page, heads, dim]``, layer by layer)."""
+    name = type(pool).__name__
+    lead = 2 if layout == "page_first" else 3  # dims before a row: [size, L] / [pages, L, page]
+    if (len(buffers) != 2 or not all(isinstance(b, torch.Tensor) for b in buffers)
+            or any(b.dim() < lead + 1 for b in buffers)
+            or buffers[0].shape[:lead] != buffers[1].shape[:lead]):
+        raise ValueError(f"MHA host pool {name} kv_buffer is {_describe_buffer(buffers)}; "
+                         f"kvmove's SGLang backend serves a (k, v) pair only as "
+                         f"[size, L, heads, dim] tensors (page_first) or [pages, L, page, "
+                         f"heads, dim] (page_first_direct) with the same leading dims; is the "
+                         f"storage config's is_mla_model right?")
+    k, v = buffers
+    try:
+        view = PoolView((HostPool({"k": k}, page_tokens=page, layout=layout),
+                         HostPool({"v": v}, page_tokens=page, layout=layout)), page, "MHA")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"kvmove's SGLang backend cannot serve MHA host pool {name} in "
+                         f"layout {layout!r} (k {tuple(k.shape)}, v {tuple(v.shape)}): "
+                         f"{e}") from None
+    return view
 
 
 def indexer_view(pool) -> PoolView:

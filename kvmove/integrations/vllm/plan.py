@@ -13,11 +13,18 @@ DEFAULT_STAGING_BYTES = 1 << 30
 
 @dataclass
 class BlockTransfer:
-    """Blocks to load or save: ``keys[i]`` is the object of vLLM block ``block_ids[i]``."""
+    """Blocks to load or save: ``keys[i]`` is the object of vLLM block ``block_ids[i]``, the
+    block at position ``first_block + i`` in its request (block 0 holds tokens ``0 ..
+    block_size - 1``)."""
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    first_block: int = 0
+
+    def positions(self) -> range:
+        """The position in its request of each block."""
+        return range(self.first_block, self.first_block + len(self.block_ids))
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,16 @@ class ConnectorPlan:
     layerwise: bool
     staging_bytes: int
     path: str = "auto"  # KVMover's path: "auto" (measured per direction), "staged", "in_place"
+
+    def saves_block(self, tp_rank: int, position: int) -> bool:
+        """Whether TP rank ``tp_rank`` saves the block at ``position`` in its request. Ranks
+        that hold byte-identical blocks (``replication`` of them: MLA, GQA with fewer KV
+        heads than TP ranks) share one key namespace and take turns, as vLLM's
+        ``MooncakeStoreConnector`` does (its ``group_put_steps``): rank ``r`` puts block
+        ``i`` when ``i % replication == (r + group) % replication``, so each block is put
+        once. Every rank loads every block."""
+        step = self.replication
+        return position % step == (tp_rank + self.keys.group_id) % step
 
     def lookup_namespaces(self) -> list[RankNamespace]:
         """Every rank namespace that must hold a block before it is a hit."""

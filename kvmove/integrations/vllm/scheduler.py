@@ -74,7 +74,7 @@ class SchedulerSide:
             hashes = self.plan.hashes(request)[first:end]
             state.load = BlockTransfer(request.request_id,
                                        [h.hex() for h in hashes],
-                                       state.block_ids[first:end])
+                                       state.block_ids[first:end], first)
         self._reqs[request.request_id] = state
 
     def build_meta(self, out) -> KVMoveConnectorMetadata:
@@ -126,7 +126,7 @@ class SchedulerSide:
         first, state.saved_blocks = state.saved_blocks, full
         meta.saves.append(BlockTransfer(state.request.request_id,
                                         [h.hex() for h in hashes[first:full]],
-                                        state.block_ids[first:full]))
+                                        state.block_ids[first:full], first))
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

@@ -1,5 +1,6 @@
 """Where the vLLM connector's Mooncake store is: the JSON file vLLM's own Mooncake connectors
-read (``MOONCAKE_CONFIG_PATH``), else kvmove's ``MOONCAKE_*`` variables. No vLLM import."""
+read (``MOONCAKE_CONFIG_PATH``), else kvmove's ``MOONCAKE_*`` variables. vLLM is imported
+only to find this node's IP (:func:`local_hostname`), as vLLM's own connector does."""
 
 from __future__ import annotations
 
@@ -14,12 +15,46 @@ _VLLM_DEFAULT_PROTOCOL = "rdma"
 _VLLM_DEFAULT_LOCAL_BUFFER_SIZE = 4 << 30
 
 
+def _override(value) -> str | None:
+    """vLLM's ``normalize_string_override``: a non-blank string, stripped, else ``None``."""
+    if not isinstance(value, str):
+        return None
+    return value.strip() or None
+
+
+def _vllm_get_ip() -> str:
+    try:
+        from vllm.utils.network_utils import get_ip
+    except ImportError:  # vLLM before utils/network_utils.py
+        from vllm.utils import get_ip
+    return get_ip()
+
+
+def local_hostname(environ: Mapping[str, str] | None = None) -> str:
+    """The address other clients reach this one's segment at, as vLLM's
+    ``MooncakeStoreWorker`` resolves it (``rdma_utils.get_requester_local_hostname(get_ip())``):
+    ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME``; else ``MOONCAKE_LOCAL_HOSTNAME`` (kvmove's
+    variable, which vLLM does not read); else this node's IP as vLLM's ``get_ip()`` finds it
+    (``VLLM_HOST_IP``, else the address of the default route)."""
+    env = os.environ if environ is None else environ
+    for var in ("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", "MOONCAKE_LOCAL_HOSTNAME"):
+        value = _override(env.get(var))
+        if value is not None:
+            return value
+    host_ip = env.get("VLLM_HOST_IP")  # get_ip() reads it from os.environ
+    if host_ip:
+        return host_ip
+    return _vllm_get_ip()
+
+
 def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) -> StoreConfig:
     """A :class:`StoreConfig` from vLLM's Mooncake JSON (``master_server_address``,
     ``metadata_server``, ``protocol``, ``device_name``, ``mode``, ``global_segment_size``,
-    ``local_buffer_size``). ``MOONCAKE_LOCAL_HOSTNAME`` names the address other clients reach
-    this one at (default ``localhost``); ``KVMOVE_REPLICAS`` and ``KVMOVE_CALL_TIMEOUT`` set
-    the replicas of every object and the bound on a store call, as for every kvmove store."""
+    ``local_buffer_size``). The address other clients reach this one at is vLLM's
+    (:func:`local_hostname`: ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME``, else
+    ``MOONCAKE_LOCAL_HOSTNAME``, else this node's IP); ``KVMOVE_REPLICAS`` and
+    ``KVMOVE_CALL_TIMEOUT`` set the replicas of every object and the bound on a store call,
+    as for every kvmove store."""
     env = os.environ if environ is None else environ
     try:
         with open(path) as f:
@@ -48,7 +83,7 @@ def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) 
         global_segment_size=parse_size(segment, "global_segment_size"),
         local_buffer_size=parse_size(
             raw.get("local_buffer_size", _VLLM_DEFAULT_LOCAL_BUFFER_SIZE), "local_buffer_size"),
-        local_hostname=env.get("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
+        local_hostname=local_hostname(env),
         replicas=env.get("KVMOVE_REPLICAS", "").strip() or 1,
         call_timeout=env.get("KVMOVE_CALL_TIMEOUT", "").strip() or 10.0,
     )

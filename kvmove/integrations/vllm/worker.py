@@ -59,7 +59,7 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.num_blocks = kv_cache_config.num_blocks
         par = vllm_config.parallel_config
-        tp_rank = get_tensor_model_parallel_rank()
+        tp_rank = self.tp_rank = get_tensor_model_parallel_rank()
         self.ranks = RankNamespace(tp_rank=tp_rank // plan.replication,
                                    pp_rank=(par.rank // par.tensor_parallel_size)
                                    % par.pipeline_parallel_size)
@@ -142,12 +142,17 @@ class WorkerSide:
         self._reap_saves()
         if not meta.saves or self.mover is None:
             return
-        # An evict's keys are unique. Blocks with the same key hold the same bytes (two
-        # requests with the same prefix, vLLM's prefix cache off): save the first of them.
+        # Ranks with byte-identical blocks share one namespace: this rank saves its share
+        # of them (plan.saves_block), the others the rest. An evict's keys are unique.
+        # Blocks with the same key hold the same bytes (two requests with the same prefix,
+        # vLLM's prefix cache off): save the first of them.
         first_block: dict[str, int] = {}
         for t in meta.saves:
-            for h, b in zip(t.keys, t.block_ids, strict=True):
-                first_block.setdefault(self.key_prefix + h, b)
+            for h, b, pos in zip(t.keys, t.block_ids, t.positions(), strict=True):
+                if self.plan.saves_block(self.tp_rank, pos):
+                    first_block.setdefault(self.key_prefix + h, b)
+        if not first_block:
+            return
         keys, block_ids = list(first_block), list(first_block.values())
         pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
         transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed

@@ -13,7 +13,8 @@ import pytest
 import torch
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from kvmove.integrations.vllm.keys import VLLMKeyFormat
+import kvmove
+from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat
 from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
 from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.scheduler import SchedulerSide
@@ -200,3 +201,91 @@ def test_unique_rounds_split_repeated_keys():
     assert unique_rounds([]) == []
     assert unique_rounds(["a", "b"]) == [[0, 1]]
     assert unique_rounds(["a", "b", "a", "a", "c", "b"]) == [[0, 1, 4], [2, 5], [3]]
+
+
+class RecordingMover:
+    """Stands in for a worker's mover: records what it is asked to save and load."""
+
+    def __init__(self):
+        self.saved: list[str] = []
+        self.loaded: list[str] = []
+
+    def evict(self, keys, pages):
+        self.saved += keys
+        return SimpleNamespace(gathered=SimpleNamespace(wait=lambda: None), done=lambda: True,
+                               wait=lambda: [kvmove.Status.OK] * len(keys))
+
+    def prefetch(self, keys, pages, layerwise):
+        self.loaded += keys
+        return SimpleNamespace(wait=lambda: [kvmove.Status.OK] * len(keys),
+                               scattered=SimpleNamespace(wait=lambda: None))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("replication", [4, 2])  # MLA at TP 4; GQA, 2 KV heads at TP 4
+def test_replicated_ranks_save_each_block_once(monkeypatch, replication):
+    """TP ranks that hold the same blocks (one key namespace) take turns saving them, as
+    vLLM's MooncakeStoreConnector does: across a chunked prefill (the second step's blocks
+    start at position 3) each block of each namespace is saved exactly once, by the rank
+    vLLM's rule picks; every rank still loads every block."""
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        ChunkedTokenDatabase,
+        KeyMetadata,
+    )
+
+    tp = 4
+    plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("ds"),
+                         tp_size=tp, pp_size=1, replication=replication, can_load=True,
+                         can_save=True, save_decode=False, layerwise=False,
+                         staging_bytes=1 << 20, path="staged")
+    hashes = block_hashes(f"tp-{replication}", 7)
+    block_ids = [9, 3, 7, 1, 12, 5, 0, 2]
+    sched = SchedulerSide(plan)
+    try:
+        req = request("a", hashes, 7 * BS + 5)
+        assert sched.matched_tokens(req, 0) == 0
+        sched.after_alloc(req, block_ids, 0)
+        steps = [sched.build_meta(output([new_request("a", block_ids, 0)],
+                                         scheduled={"a": 100})),
+                 sched.build_meta(output(cached=cached_request("a", None, 100, resumed=False),
+                                         scheduled={"a": 7 * BS + 5 - 100}))]
+    finally:
+        sched.close()
+    assert [(t.first_block, len(t.keys)) for m in steps for t in m.saves] == [(0, 3), (3, 4)]
+
+    saved: dict[int, list[str]] = {}
+    loaded: dict[int, list[str]] = {}
+    load = KVMoveConnectorMetadata(loads=[BlockTransfer("b", [h.hex() for h in hashes[:5]],
+                                                        block_ids[:5])])
+    for rank in range(tp):
+        monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+            rank=rank, tensor_parallel_size=tp, pipeline_parallel_size=1))
+        kv_cache_config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+            SimpleNamespace(layer_names=NAMES)])
+        side = WorkerSide(plan, vllm_config, kv_cache_config)
+        side.mover = mover = RecordingMover()
+        try:
+            for meta in steps:
+                side.save(meta)
+            side.start_load(load)
+        finally:
+            side.close()
+        saved[rank], loaded[rank] = mover.saved, mover.loaded
+        # vLLM's rule (store/worker.py, data.py process_tokens): put_step = the replication
+        # factor, put_step_rank = (tp_rank + group) % put_step, by the block's position.
+        db = ChunkedTokenDatabase(KeyMetadata(model_name="ds", tp_rank=rank // replication,
+                                              pcp_rank=0, dcp_rank=0, pp_rank=0), BS)
+        expected = [db.key_for(h) for _, _, h in db.process_tokens(
+            7 * BS, hashes, put_step=replication, put_step_rank=rank % replication)]
+        assert saved[rank] == expected
+        ns = plan.keys.prefix(RankNamespace(tp_rank=rank // replication, pp_rank=0))
+        assert loaded[rank] == [f"{ns}@{h.hex()}" for h in hashes[:5]]
+
+    every = [k for keys in saved.values() for k in keys]
+    assert len(every) == len(set(every))  # no block saved twice
+    assert set(every) == {f"{plan.keys.prefix(ns)}@{h.hex()}"
+                          for ns in plan.lookup_namespaces() for h in hashes}
