@@ -16,6 +16,7 @@ variable                                  field                       default
 ``MOONCAKE_LOCAL_HOSTNAME``               ``local_hostname``          ``localhost``
 ``KVMOVE_REPLICAS``                       ``replicas``                1
 ``KVMOVE_CALL_TIMEOUT``                   ``call_timeout``            10 (seconds)
+``MOONCAKE_TENANT_ID``                    ``tenant_id``               ``default``
 ========================================  ==========================  =====================
 
 Sizes are plain byte counts or numbers with a unit, as SGLang and Mooncake accept them:
@@ -66,7 +67,10 @@ ENV_VARS = {
     "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
     "KVMOVE_REPLICAS": "replicas",
     "KVMOVE_CALL_TIMEOUT": "call_timeout",
+    "MOONCAKE_TENANT_ID": "tenant_id",
 }
+
+DEFAULT_TENANT_ID = "default"
 
 # Mooncake's own JSON config names (MOONCAKE_CONFIG_PATH files) -> field.
 _ALIASES = {"master_server_address": "master_address", "device_name": "rdma_devices",
@@ -191,6 +195,9 @@ class StoreConfig:
     of one engine process loses no page once the master has dropped it (README,
     "Clusters"). Replicas go to distinct segments; with fewer live segments than
     ``replicas``, Mooncake 0.3.13 stores as many as there are and answers ``OK``.
+    ``tenant_id``: the Mooncake tenant whose key space the objects live in (``"default"``;
+    blank or ``None`` mean it, as in SGLang and vLLM): clients of different tenants never
+    see each other's objects.
 
     kvmove's own knobs: ``connect_timeout`` (seconds the master has to react to a probe
     request before :class:`kvmove.StoreError`; Mooncake's ``setup()`` alone would retry for
@@ -223,6 +230,7 @@ class StoreConfig:
     call_timeout: float = 10.0
     max_call_spans: int | None = None
     max_inflight_spans: int | None = None
+    tenant_id: str = DEFAULT_TENANT_ID
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -243,6 +251,11 @@ class StoreConfig:
         if not isinstance(self.detect_exists, bool):
             raise ValueError(f"detect_exists must be a bool, got {self.detect_exists!r}")
         set_(self, "call_timeout", _seconds(self.call_timeout, "call_timeout"))
+        tenant = DEFAULT_TENANT_ID if self.tenant_id is None else self.tenant_id
+        if not isinstance(tenant, str) or not _NO_SPACE_OR_CONTROL.fullmatch(tenant.strip()):
+            raise ValueError(f"tenant_id must be a string without spaces or control "
+                             f"characters (or None), got {self.tenant_id!r}")
+        set_(self, "tenant_id", tenant.strip() or DEFAULT_TENANT_ID)
         for name in ("max_call_spans", "max_inflight_spans"):
             value = getattr(self, name)
             if isinstance(value, str) and value.strip().isdigit():

@@ -136,7 +136,7 @@ from kvmove.store.bounded_call import (
     default_runner,
     settled,
 )
-from kvmove.store.config import StoreConfig
+from kvmove.store.config import DEFAULT_TENANT_ID, StoreConfig
 from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster
 from kvmove.store.native_log import native_stderr_captured, quiet_mooncake_log
 from kvmove.store.replica_reader import EndpointProbe, Replica, ReplicaReader, replicas_of
@@ -465,6 +465,8 @@ class MooncakeStore:
         try:
             with native_stderr_captured() as said:  # glog's set-up lines go to the logger
                 client = MooncakeDistributedStore()
+                tenant = ({} if config.tenant_id == DEFAULT_TENANT_ID
+                          else {"tenant_id": config.tenant_id})  # older Mooncake lacks it
                 rc = client.setup(
                     config.local_hostname,
                     config.metadata_server,
@@ -473,7 +475,15 @@ class MooncakeStore:
                     config.protocol,
                     config.rdma_devices,
                     address,
+                    **tenant,
                 )
+        except TypeError as e:
+            if tenant and "tenant_id" in str(e):
+                raise StoreError(f"tenant_id={config.tenant_id!r}: the installed Mooncake "
+                                 f"does not support tenants (upgrade it, or leave tenant_id "
+                                 f"unset): {e}") from e
+            raise StoreError(f"Mooncake setup() against the master at {address} raised: {e}") \
+                from e
         except Exception as e:  # a pybind argument or engine error
             raise StoreError(f"Mooncake setup() against the master at {address} raised: {e}") \
                 from e
