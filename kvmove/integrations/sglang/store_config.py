@@ -4,11 +4,11 @@ defaults as SGLang's own Mooncake backend.
 1. ``extra_config`` (``--hicache-storage-backend-extra-config``) with
    ``master_server_address`` (or ``client_server_address``, refused below): the keys SGLang's
    backend reads there (``protocol``, ``device_name``, ``metadata_server``,
-   ``global_segment_size``, ``local_hostname``);
+   ``global_segment_size``, ``local_hostname``, ``tenant_id``);
 2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` (the same keys);
 3. else the ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER``, ``MOONCAKE_PROTOCOL``,
    ``MOONCAKE_DEVICE``, ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
-   ``MOONCAKE_LOCAL_HOSTNAME``).
+   ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``).
 
 SGLang's defaults apply where a value is not given: protocol ``rdma``, metadata server
 ``P2PHANDSHAKE``, a 4 GB global segment, local hostname ``localhost``. As in SGLang, the
@@ -17,6 +17,11 @@ pp_size)``; the local hostname is ``MOONCAKE_LOCAL_HOSTNAME``, else ``LOCAL_HOST
 the configured one, whatever the source (one extra_config serves every node); a device list
 given as a JSON object ``{tp_rank: devices}`` gives each rank its own entry (``""`` when the
 rank has none or the JSON is malformed).
+
+The Mooncake tenant is SGLang's (``_normalize_tenant_id``): the source's ``tenant_id`` (the
+extra_config or file key; ``MOONCAKE_TENANT_ID`` only in the environment source, as SGLang
+reads that variable there alone), as a string, stripped; missing, ``None`` or blank is
+``"default"``.
 
 Standalone storage (``client_server_address`` / ``standalone_storage``, ``MOONCAKE_CLIENT`` /
 ``MOONCAKE_STANDALONE_STORAGE``: a separate ``mooncake_client`` serves the node) is refused
@@ -47,10 +52,20 @@ _KEYS = {
     "metadata_server": "metadata_server",
     "global_segment_size": "global_segment_size",
     "local_hostname": "local_hostname",
+    "tenant_id": "tenant_id",
 }
 # SGLang's settings for standalone storage (a separate mooncake_client serves the node).
 _STANDALONE_KEYS = ("client_server_address", "standalone_storage")
 _TRUE = ("true", "1", "yes", "y")  # SGLang's true values of a boolean variable
+DEFAULT_TENANT_ID = "default"  # SGLang's (and Mooncake's) tenant of a client that names none
+
+
+def _tenant_id(value) -> str:
+    """SGLang's ``_normalize_tenant_id``: ``None`` or blank is ``"default"``; anything else
+    is ``str(value)``, stripped."""
+    if value is None:
+        return DEFAULT_TENANT_ID
+    return str(value).strip() or DEFAULT_TENANT_ID
 
 
 def _local_hostname(environ: Mapping[str, str], configured) -> str:
@@ -95,6 +110,7 @@ def _from_mapping(values: Mapping, where: str, environ: Mapping[str, str],
     if "protocol" not in out and environ.get("MOONCAKE_PROTOCOL", "").strip():
         out["protocol"] = environ["MOONCAKE_PROTOCOL"].strip()
     out["rdma_devices"] = _rank_devices(out.get("rdma_devices", ""), storage_config)
+    out["tenant_id"] = _tenant_id(out.get("tenant_id"))  # MOONCAKE_TENANT_ID is not read
     return out
 
 
@@ -118,6 +134,7 @@ def store_config_for(storage_config, environ: Mapping[str, str] | None = None) -
         set_vars = {ENV_VARS[v] for v in ENV_VARS if env.get(v, "").strip()}
         overrides = {k: v for k, v in SGLANG_DEFAULTS.items() if k not in set_vars}
         overrides["rdma_devices"] = _rank_devices(env.get("MOONCAKE_DEVICE", ""), storage_config)
+        overrides["tenant_id"] = _tenant_id(env.get("MOONCAKE_TENANT_ID"))
         values = dataclasses.asdict(StoreConfig.from_env(env, **overrides))
     values["local_hostname"] = _local_hostname(env, values.get("local_hostname"))
     for field, default in SGLANG_DEFAULTS.items():

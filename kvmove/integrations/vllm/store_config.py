@@ -13,6 +13,18 @@ from kvmove.store.config import DEFAULT_GLOBAL_SEGMENT_SIZE, StoreConfig, parse_
 # vLLM's defaults for fields its JSON leaves out (vllm/distributed/mooncake_store.py).
 _VLLM_DEFAULT_PROTOCOL = "rdma"
 _VLLM_DEFAULT_LOCAL_BUFFER_SIZE = 4 << 30
+DEFAULT_TENANT_ID = "default"  # vLLM's (and Mooncake's) tenant of a client that names none
+
+
+def _tenant_id(value, path: str) -> str:
+    """vLLM's ``_normalize_tenant_id``: ``None`` or blank is ``"default"``, a string is
+    stripped, anything else raises ``TypeError`` (as vLLM's does)."""
+    if value is None:
+        return DEFAULT_TENANT_ID
+    if not isinstance(value, str):
+        raise TypeError(f"MOONCAKE_CONFIG_PATH={path!r}: tenant_id must be a string or null, "
+                        f"got {type(value).__name__}: {value!r}")
+    return value.strip() or DEFAULT_TENANT_ID
 
 
 def _override(value) -> str | None:
@@ -50,7 +62,10 @@ def local_hostname(environ: Mapping[str, str] | None = None) -> str:
 def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) -> StoreConfig:
     """A :class:`StoreConfig` from vLLM's Mooncake JSON (``master_server_address``,
     ``metadata_server``, ``protocol``, ``device_name``, ``mode``, ``global_segment_size``,
-    ``local_buffer_size``). The address other clients reach this one at is vLLM's
+    ``local_buffer_size``, ``tenant_id``: the Mooncake tenant, resolved as vLLM's
+    ``_normalize_tenant_id`` does: missing, ``null`` or blank is ``"default"``, a string is
+    stripped, another type raises ``TypeError``; vLLM reads no ``MOONCAKE_TENANT_ID`` with
+    the file, nor does this). The address other clients reach this one at is vLLM's
     (:func:`local_hostname`: ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME``, else
     ``MOONCAKE_LOCAL_HOSTNAME``, else this node's IP); ``KVMOVE_REPLICAS`` and
     ``KVMOVE_CALL_TIMEOUT`` set the replicas of every object and the bound on a store call,
@@ -66,10 +81,7 @@ def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) 
         raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: expected a JSON object")
     if not raw.get("master_server_address"):
         raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: 'master_server_address' is missing")
-    tenant = raw.get("tenant_id")
-    if tenant not in (None, "", "default"):
-        raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: tenant_id={tenant!r} is not "
-                         f"supported by kvmove's connector; leave it unset")
+    tenant = _tenant_id(raw.get("tenant_id", DEFAULT_TENANT_ID), path)
     mode = raw.get("mode", "embedded")
     if mode not in ("embedded", "standalone-store"):
         raise ValueError(f"MOONCAKE_CONFIG_PATH={path!r}: unknown mode {mode!r}")
@@ -86,11 +98,13 @@ def store_config_from_file(path: str, environ: Mapping[str, str] | None = None) 
         local_hostname=local_hostname(env),
         replicas=env.get("KVMOVE_REPLICAS", "").strip() or 1,
         call_timeout=env.get("KVMOVE_CALL_TIMEOUT", "").strip() or 10.0,
+        tenant_id=tenant,
     )
 
 
 def connector_store_config(environ: Mapping[str, str] | None = None) -> StoreConfig:
-    """``MOONCAKE_CONFIG_PATH``'s file when set, else kvmove's ``MOONCAKE_*`` variables."""
+    """``MOONCAKE_CONFIG_PATH``'s file when set, else kvmove's ``MOONCAKE_*`` variables
+    (``MOONCAKE_TENANT_ID`` among them: :meth:`kvmove.StoreConfig.from_env`)."""
     env = os.environ if environ is None else environ
     path = env.get("MOONCAKE_CONFIG_PATH")
     if path:

@@ -27,7 +27,8 @@ def env(monkeypatch):
     for var in ("MOONCAKE_MASTER", "MOONCAKE_PROTOCOL", "MOONCAKE_DEVICE",
                 "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
                 "MOONCAKE_LOCAL_HOSTNAME", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH",
-                "LOCAL_HOSTNAME", "MOONCAKE_CLIENT", "MOONCAKE_STANDALONE_STORAGE"):
+                "LOCAL_HOSTNAME", "MOONCAKE_CLIENT", "MOONCAKE_STANDALONE_STORAGE",
+                "MOONCAKE_TENANT_ID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in ENV.items():
         monkeypatch.setenv(var, value)
@@ -72,7 +73,7 @@ def test_extra_config_and_config_file(env, tmp_path):
 
 MASTER = "10.0.0.7:6000"
 FIELDS = ("master_address", "metadata_server", "protocol", "rdma_devices", "local_hostname",
-          "global_segment_size")
+          "global_segment_size", "tenant_id")
 
 
 def configured(env, tmp_path, source: str, settings: dict, tp_rank: int = 0):
@@ -101,7 +102,7 @@ def sglang_setup(env, config) -> dict:
 
     class Client:
         def setup(self, *args, **kwargs):
-            calls.append(args)
+            calls.append((args, kwargs))
             return 0
 
         def put(self, key, value):
@@ -116,9 +117,11 @@ def sglang_setup(env, config) -> dict:
 
     env.setattr(MooncakeBaseStore, "_import_mooncake_store", lambda self: Client)
     MooncakeStore(config)
-    hostname, metadata, segment, _, protocol, devices, master = calls[0][:7]
+    args, kwargs = calls[0]
+    hostname, metadata, segment, _, protocol, devices, master = args[:7]
     return dict(master_address=master, metadata_server=metadata, protocol=protocol,
-                rdma_devices=devices, local_hostname=hostname, global_segment_size=segment)
+                rdma_devices=devices, local_hostname=hostname, global_segment_size=segment,
+                tenant_id=kwargs.get("tenant_id", "default"))  # SGLang passes none for default
 
 
 def resolved(config) -> dict:
@@ -149,6 +152,44 @@ def test_local_hostname_as_sglang_resolves_it(env, tmp_path, source, variables,
     assert MooncakeBaseStore()._load_config(config).local_hostname == expected
     assert resolved(config) == sglang_setup(env, config)
     assert resolved(config)["local_hostname"] == expected
+
+
+@pytest.mark.parametrize("source", ["extra", "file", "env"])
+@pytest.mark.parametrize("given, expected", [
+    ("team-a", "team-a"),
+    ("  team-a\t", "team-a"),      # padded: stripped
+    ("", "default"),              # blank
+    ("   ", "default"),
+    (None, "default"),            # null (not set, in the environment)
+    ("default", "default"),
+])
+def test_tenant_id_as_sglang_resolves_it(env, tmp_path, source, given, expected):
+    """The tenant is SGLang's: the source's ``tenant_id`` (``MOONCAKE_TENANT_ID`` in the
+    environment source), stripped; missing, null or blank is ``default``. It reaches
+    Mooncake's ``setup()`` as SGLang's backend passes it."""
+    if source == "env":
+        settings = {} if given is None else {"MOONCAKE_TENANT_ID": given}
+    else:
+        settings = {"master_server_address": MASTER, "protocol": "tcp", "tenant_id": given}
+    config = configured(env, tmp_path, source, settings)
+    assert MooncakeBaseStore()._load_config(config).tenant_id == expected
+    assert resolved(config) == sglang_setup(env, config)
+    assert resolved(config)["tenant_id"] == expected
+
+
+@pytest.mark.parametrize("source", ["extra", "file"])
+@pytest.mark.parametrize("settings, expected", [
+    ({}, "default"),                       # the key missing: not MOONCAKE_TENANT_ID's value
+    ({"tenant_id": "team-a"}, "team-a"),   # the key wins
+    ({"tenant_id": 7}, "7"),               # SGLang takes str() of the value
+])
+def test_tenant_id_of_a_configured_source(env, tmp_path, source, settings, expected):
+    """With an extra config or a config file SGLang reads only its ``tenant_id`` key, never
+    ``MOONCAKE_TENANT_ID`` (that variable belongs to the environment source)."""
+    env.setenv("MOONCAKE_TENANT_ID", "team-b")
+    config = configured(env, tmp_path, source, {"master_server_address": MASTER, **settings})
+    assert MooncakeBaseStore()._load_config(config).tenant_id == expected
+    assert resolved(config) == sglang_setup(env, config)
 
 
 def test_the_environ_argument_is_the_environment(env):

@@ -107,6 +107,68 @@ def test_a_miss_among_hits(kind, master, model):
         reader.close()
 
 
+TENANTS = """version: 1
+tenants:
+  - name: default
+    quota: 1073741824
+  - name: team-a
+    quota: 1073741824
+"""
+
+
+def test_a_tenants_pages_are_its_own(tmp_path, model):
+    """On a master that keeps tenants apart, pages kvmove's backend stores with the extra
+    config's ``tenant_id`` (padded, as SGLang strips it) live in that tenant's key space: a
+    client of the tenant sees them, SGLang's own backend of the tenant reads them row-exact,
+    and the default tenant (a client, or a backend that names no tenant) does not see them."""
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    policy = tmp_path / "tenants.yaml"
+    policy.write_text(TENANTS)
+    default = kvmove.MooncakeStore.embedded(
+        global_segment_size=64 << 20,
+        master_args=["-enable_multi_tenants=true", f"-tenant_quota_connector_uri={policy}"])
+    opened = []
+    try:
+        def extra(**more):
+            return {"master_server_address": default.address, "protocol": "tcp",
+                    "local_hostname": "127.0.0.1", "global_segment_size": 64 << 20, **more}
+
+        def config(**more):
+            return storage_config(mla=True, page_first=True, model=model, extra=extra(**more))
+
+        writer = kvmove_backend(config(tenant_id=" team-a "))
+        opened.append(writer.store)
+        assert writer.store.config.tenant_id == "team-a"
+        src = make_pool("mla", "page_first", 1)
+        writer.register_mem_pool_host(src)
+        assert writer.batch_set_v1(["t1", "t2"], indices([1, 2])) == [True, True]
+        keys = [f"{model.replace('/', '-')}_{h}__k" for h in ("t1", "t2")]
+
+        team = kvmove.MooncakeStore(kvmove.StoreConfig(
+            master_address=default.address, tenant_id="team-a", global_segment_size=0))
+        opened.append(team)
+        assert team.exists(keys) == [True, True]
+        assert default.exists(keys) == [False, False]  # the default tenant's key space
+
+        theirs = MooncakeStore(config(tenant_id="team-a"))  # SGLang's own, same tenant
+        opened.append(theirs.store)
+        dst = make_pool("mla", "page_first", 2)
+        theirs.register_mem_pool_host(dst)
+        assert theirs.batch_get_v1(["t1", "t2"], indices([5, 6])) == [True, True]
+        assert [page_data(dst, p) for p in (5, 6)] == [page_data(src, p) for p in (1, 2)]
+
+        other = kvmove_backend(config())  # no tenant_id: the default tenant
+        opened.append(other.store)
+        assert other.store.config.tenant_id == "default"
+        other.register_mem_pool_host(make_pool("mla", "page_first", 3))
+        assert other.batch_exists(["t1", "t2"]) == 0
+    finally:
+        for store in reversed(opened):  # while the master is there
+            store.close()
+        default.close()
+
+
 def page_bytes(kv_buffer, kind, layout, page):
     """The bytes of ``page`` in a copy of a pool's kv_buffer (as SGLang's get_data_page)."""
     if kind == "mha":  # SGLang's MHA page is its k half, then its v half

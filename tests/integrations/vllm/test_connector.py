@@ -197,6 +197,78 @@ def test_requests_with_the_same_blocks_in_one_step(path, layerwise):
     assert block_bytes(dst, 11) == zeros and block_bytes(dst, 15) == zeros
 
 
+TENANTS = """version: 1
+tenants:
+  - name: default
+    quota: 1073741824
+  - name: team-a
+    quota: 1073741824
+"""
+
+
+def test_a_tenants_blocks_are_its_own(tmp_path, monkeypatch):
+    """On a master that keeps tenants apart, the blocks the connector saves with vLLM's JSON
+    naming ``tenant_id`` (padded, as vLLM strips it) live in that tenant's key space: a
+    client of the tenant and the connector's scheduler of the tenant see them, its worker
+    loads them byte-exact; the default tenant (a client, or a connector whose JSON names no
+    tenant) does not see them."""
+    policy = tmp_path / "tenants.yaml"
+    policy.write_text(TENANTS)
+    default = kvmove.MooncakeStore.embedded(
+        global_segment_size=64 << 20,
+        master_args=["-enable_multi_tenants=true", f"-tenant_quota_connector_uri={policy}"])
+    try:
+        def use(**tenant):
+            config = tmp_path / "tenant.json"
+            config.write_text(json.dumps({
+                "master_server_address": default.address, "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp", "device_name": "", "mode": "standalone-store",
+                "global_segment_size": 0, "local_buffer_size": "64mb", **tenant}))
+            monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+
+        use(tenant_id=" team-a ")
+        plan = plan_for()
+        hashes = block_hashes("tenant", 3)
+        src = caches(seed=5)
+        with worker_side(plan, src) as w:
+            assert w.store.config.tenant_id == "team-a"
+            w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("a", [h.hex() for h in hashes],
+                                                                [1, 2, 3])]))
+        keys = [f"{plan.keys.prefix(RankNamespace(tp_rank=0, pp_rank=0))}@{h.hex()}"
+                for h in hashes]
+        team = kvmove.MooncakeStore(kvmove.StoreConfig(
+            master_address=default.address, tenant_id="team-a", global_segment_size=0))
+        try:
+            assert team.exists(keys) == [True] * 3
+        finally:
+            team.close()
+        assert default.exists(keys) == [False] * 3  # the default tenant's key space
+
+        sched = SchedulerSide(plan)
+        try:
+            assert sched.store.config.tenant_id == "team-a"
+            assert sched.matched_tokens(request("b", hashes, 100), 0) == 96
+        finally:
+            sched.close()
+        dst = caches(seed=6, zero=True)
+        meta = KVMoveConnectorMetadata(loads=[BlockTransfer("b", [h.hex() for h in hashes],
+                                                            [4, 5, 6])])
+        with worker_side(plan, dst) as w:
+            assert load(w, meta) == set()
+        assert [block_bytes(dst, b) for b in (4, 5, 6)] == \
+            [block_bytes(src, b) for b in (1, 2, 3)]
+
+        use()  # no tenant_id: the default tenant
+        sched = SchedulerSide(plan)
+        try:
+            assert sched.store.config.tenant_id == "default"
+            assert sched.matched_tokens(request("c", hashes, 100), 0) == 0
+        finally:
+            sched.close()
+    finally:
+        default.close()
+
+
 def test_unique_rounds_split_repeated_keys():
     assert unique_rounds([]) == []
     assert unique_rounds(["a", "b"]) == [[0, 1]]
