@@ -155,7 +155,11 @@ class WorkerSide:
             return
         keys, block_ids = list(first_block), list(first_block.values())
         pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
-        transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
+        try:
+            transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
+        except kvmove.StagingFull as e:  # a save missed costs a recompute, never the step
+            log.warning("kvmove connector: %d block saves skipped: %s", len(keys), e)
+            return
         # vLLM reuses the blocks only after this: the gather (CUDA, staged) or the put that
         # reads them in place (on the CPU it has, once evict returned)
         transfer.gathered.wait()

@@ -361,3 +361,35 @@ def test_replicated_ranks_save_each_block_once(monkeypatch, replication):
     assert len(every) == len(set(every))  # no block saved twice
     assert set(every) == {f"{plan.keys.prefix(ns)}@{h.hex()}"
                           for ns in plan.lookup_namespaces() for h in hashes}
+
+
+def test_a_save_without_staging_slots_is_skipped_not_raised(monkeypatch, caplog):
+    """The staging stayed full for the mover's whole alloc_timeout (a stalled store): the
+    step's saves are skipped with a warning (those blocks are recomputed on a later miss);
+    vLLM's step does not die."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    class FullMover(RecordingMover):
+        def evict(self, keys, pages):
+            raise kvmove.StagingFull("no staging slots came free within 60 s")
+
+    plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("ds"),
+                         tp_size=1, pp_size=1, replication=1, can_load=True, can_save=True,
+                         save_decode=False, layerwise=False, staging_bytes=1 << 20,
+                         path="staged")
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))
+    kv_cache_config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
+        SimpleNamespace(layer_names=NAMES)])
+    side = WorkerSide(plan, vllm_config, kv_cache_config)
+    side.mover = FullMover()
+    hashes = block_hashes("full", 2)
+    try:
+        with caplog.at_level("WARNING"):
+            side.save(KVMoveConnectorMetadata(saves=[BlockTransfer(
+                "a", [h.hex() for h in hashes], [4, 5])]))
+        assert "2 block saves skipped" in caplog.text
+        assert side._saves == []
+    finally:
+        side.close()
