@@ -241,6 +241,7 @@ class KVMover:
         # Store keys of in-place puts given up whose Mooncake call has not returned (see
         # _forget_when_done): a new put of one is not sent meanwhile.
         self._late_keys: set[str] = set()
+        self._late_puts = 0  # in-place puts given up whose Mooncake call has not returned
         store.register(self.staging)
         log_choice(self.path_choice)
 
@@ -440,10 +441,11 @@ class KVMover:
         if not first:
             return
         with self._lock:
-            late = self._late_slots
-        if late:  # the last store call given up releases the staging when it returns
-            log.warning("closing the mover: %d staging slots stay allocated until the store "
-                        "calls given up on them return (Mooncake's cap is 60 s)", late)
+            late, late_puts = self._late_slots, self._late_puts
+        if late or late_puts:  # the last store call given up releases it all when it returns
+            log.warning("closing the mover: %d staging slots and %d in-place puts given up "
+                        "keep the staging and the KV rows registered until their store calls "
+                        "return (Mooncake's cap is 60 s)", late, late_puts)
             return
         self._release_staging()
 
@@ -488,7 +490,7 @@ class KVMover:
         self.staging.free(slots)
         with self._lock:
             self._late_slots -= len(slots)
-            last = self._closed and self._late_slots == 0
+            last = self._closed and self._late_slots == 0 and self._late_puts == 0
         if last:
             self._release_staging()
 
@@ -810,6 +812,7 @@ class KVMover:
         moments. Until then a new in-place put of ``keys`` is not sent (it ends FAILED)."""
         with self._lock:
             self._late_keys.update(keys)
+            self._late_puts += 1  # the KV rows (and their zero row) stay registered
 
         def remove(future) -> None:
             stored = future.result()
@@ -822,6 +825,10 @@ class KVMover:
             finally:
                 with self._lock:
                     self._late_keys.difference_update(keys)
+                    self._late_puts -= 1
+                    last = self._closed and self._late_slots == 0 and self._late_puts == 0
+                if last:  # close() left the release to the last call given up
+                    self._release_staging()
 
         late_stored.add_done_callback(remove)
 

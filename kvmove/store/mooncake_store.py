@@ -281,9 +281,11 @@ class _Codes(list):
         self.late_puts = list(late_puts)
 
 
-def _stored_late(late_puts: list[tuple[list[str], Future]]) -> Future | None:
+def _stored_late(late_puts: list[tuple[list[str], Future]], after: Future | None = None
+                 ) -> Future | None:
     """A future holding the keys the put calls given up stored after all (their code ``0``;
-    every key of a call that raised: not known), once every one of them has returned."""
+    every key of a call that raised: not known), once every one of them has returned (and
+    ``after``, the put's ``late``: its memory is released then)."""
     if not late_puts:
         return None
     stored: Future = Future()
@@ -298,7 +300,7 @@ def _stored_late(late_puts: list[tuple[list[str], Future]]) -> Future | None:
             keys += [k for k, c in zip(call_keys, codes, strict=False) if c == 0]
         stored.set_result(keys)
 
-    joined = settled(f for _, f in late_puts)
+    joined = settled([*(f for _, f in late_puts), after])
     if joined is None:
         collect()
     else:
@@ -988,7 +990,7 @@ class MooncakeStore:
                                   lambda c: self._put_chunk(client, desc[c], check))
             uses.late = codes.late
         result = StoreResult(map(_put_status, codes), codes, uses.late,
-                             _stored_late(codes.late_puts))
+                             _stored_late(codes.late_puts, uses.late))
         self._log_outcome("put", desc.keys, result)
         return result
 

@@ -488,3 +488,25 @@ def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(s
         assert s.exists(m.keyspace.store_keys(keys)) == [False]  # the late object is removed
         assert m.evict(keys, page).wait() == [Status.OK]
         assert m.prefetch(keys, torch.tensor([[8, 9, 10, 11]])).wait() == [Status.OK]
+
+
+def test_close_keeps_the_kv_rows_registered_until_a_put_given_up_returns(slow_puts,
+                                                                        keyspace):
+    # Mooncake reads the KV rows (and the zero row of padding) until a given-up put really
+    # returns: close() leaves them registered and allocated until then, then releases them.
+    s, slow = slow_puts
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    m = kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place")
+    regions = set(m._rows.regions())
+    closed = []
+    real_close = m._rows.close
+    m._rows.close = lambda: (closed.append(True), real_close())
+    slow[0] = True
+    assert m.evict(keyspace(1), torch.tensor([[0, 1, -1, 3]])).wait() == [Status.FAILED]
+    slow[0] = False
+    m.close()
+    assert regions <= set(registered_regions(s))  # still read by the call given up
+    assert closed == []  # the zero row it reads is still allocated
+    returned(s)
+    assert not regions & set(registered_regions(s))
+    assert closed == [True]
