@@ -40,7 +40,8 @@ BAD_ROWS = -10001  # a row index of the key's page was out of range (check=False
 STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_timeout
 # kvmove's codes for pages of a direct send (kvmove.PageSender) that FAILED:
 WRITE_TIMEOUT = -10003  # a write to the receiver did not return within the call timeout
-NOT_SENT = -10004  # not tried: an earlier write to the same receiver had failed
+NOT_SENT = -10004  # not tried: an earlier write to the same receiver had failed, or the
+# sender was closed while the send was split into pieces
 CALL_TIMEOUT = -10005  # the store call was given up at its bound (or not tried after one was)
 MOVER_CLOSED = -10006  # not tried: the KVMover was closed while the call was being split up
 

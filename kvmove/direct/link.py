@@ -7,13 +7,15 @@ flight to one peer than the transport queues can break that connection for good;
 engine each, neither reaches the sender's other receivers. One call at a time keeps a
 peer's spans in flight at :data:`~kvmove.direct.spans.MAX_SPANS_PER_CALL`.
 
-A call that fails, or that the watchdog gives up on, breaks the link: its job ends with
-the pages that landed ``OK`` and the rest ``FAILED``, the jobs queued behind it end
-``FAILED`` (code ``NOT_SENT``) at once and their slots go back, and the engine is
-destroyed once the call has returned. Only then does the failed job give its slots back:
-Mooncake does not cancel a failed write, its engine may go on reading the source until it
-is destroyed. The sender makes a new link (a fresh engine) for the next send to that
-receiver.
+A call that fails, or that the watchdog gives up on, breaks the link: the jobs queued
+behind it end ``FAILED`` (code ``NOT_SENT``) at once and their slots go back, and the
+engine is destroyed once the call has returned. Only then does the failed job end (the
+pages that landed ``OK``, the rest ``FAILED``) and give its slots back: Mooncake does not
+cancel a failed write, its engine may go on reading the source, and writing the peer's
+pages, until it is destroyed, and a page reported ``FAILED`` must not be written after.
+(The one exception is a first contact the watchdog gave up on: it carries none of the
+job's bytes, so the job ends ``FAILED`` at once, see below.) The sender makes a new link
+(a fresh engine) for the next send to that receiver.
 
 First contact is a call of its own (:meth:`PeerLink._contact`). A receiver stopped before
 it holds the handshake for a minute, and that wait is the one Mooncake does not bound
@@ -33,7 +35,10 @@ Other designs were weighed and dropped:
 
 After contact, a receiver that stops answering fails its write within
 ``MC_TRANSFER_TIMEOUT`` (5 s; measured over TCP), so a write holds its slots at most that
-long. The cost is one empty call per engine, a fraction of a millisecond on loopback.
+long (and the engine's destruction). The sender refuses a ``call_timeout`` that does not
+exceed that bound, so the watchdog gives up on a write of data only when Mooncake overran
+its own bound; that write's job still ends only when the call has returned. The cost is
+one empty call per engine, a fraction of a millisecond on loopback.
 """
 
 from __future__ import annotations
@@ -106,11 +111,12 @@ class PeerLink:
             return self._cond.wait_for(lambda: self._finished or self.abandoned, timeout)
 
     def abandon(self, token: object) -> None:
-        """The watchdog: call ``token`` has not returned in time. Its job ends ``FAILED``
-        (``WRITE_TIMEOUT``) for every page it had not landed, the queued jobs end
-        ``FAILED`` (``NOT_SENT``) at once. The job of a first contact also gives its slots
-        back at once (the engine never got its staging); any other job waits until the
-        engine is destroyed."""
+        """The watchdog: call ``token`` has not returned in time. The queued jobs end
+        ``FAILED`` (``NOT_SENT``) at once. The job of a first contact ends ``FAILED``
+        (``WRITE_TIMEOUT``) and gives its slots back at once (none of its bytes were sent,
+        the engine never got its staging); the job of a write of data ends (``WRITE_TIMEOUT``
+        for the pages it had not landed) only once the call returned and the engine is
+        destroyed: until then its bytes may still land."""
         with self._cond:
             if self._call is None or self._call[0] is not token:
                 return  # it returned meanwhile
@@ -120,11 +126,14 @@ class PeerLink:
             queued = list(self._jobs)
             self._jobs.clear()
             self._cond.notify_all()
-        log.warning("no answer from %s within %g s; its pages are FAILED", self.peer,
-                    self._watchdog.timeout)
-        job.finish(WRITE_TIMEOUT)
         if contact:
+            log.warning("no answer from %s within %g s; its pages are FAILED", self.peer,
+                        self._watchdog.timeout)
+            job.finish(WRITE_TIMEOUT)
             job.release()
+        else:
+            log.warning("a write to %s has not returned within %g s; its pages end when it "
+                        "does", self.peer, self._watchdog.timeout)
         _fail(queued)
 
     # -- the link's thread ----------------------------------------------------------------
@@ -137,12 +146,11 @@ class PeerLink:
                     break
                 job = self._jobs.popleft()
             try:
-                ok = self._run(job)
+                why = self._run(job)
             except Exception:  # a broken contract (a CUDA error, a binding's TypeError)
                 log.exception("sending to %s failed", self.peer)
-                job.finish(CLIENT_EXCEPTION)
-                ok = False
-            if not ok:
+                why = CLIENT_EXCEPTION, 0.0
+            if why is not None:
                 failed = job
                 break
             self.jobs_ok += 1
@@ -154,8 +162,9 @@ class PeerLink:
             queued = list(self._jobs)
             self._jobs.clear()
         _fail(queued)
-        self.engine.close()  # nothing reads the staging after this
+        self.engine.close()  # nothing reads the staging, or writes the peer, after this
         if failed is not None:
+            failed.finish(*why)  # only now: none of its bytes can land after FAILED
             failed.release()
         with self._cond:
             self._finished = True
@@ -193,32 +202,33 @@ class PeerLink:
         job.release()  # the engine never got its staging
         return False
 
-    def _run(self, job: SendJob) -> bool:
-        """Make the job's calls (after first contact, if not made yet); whether every one
-        returned 0."""
+    def _run(self, job: SendJob) -> tuple[int, float] | None:
+        """Make the job's calls (after first contact, if not made yet). None when every
+        one returned 0 (the job has ended ``OK``); else the code and write time the job is
+        to end with once the engine is destroyed (the pages its calls that returned 0
+        landed ``OK``, the rest ``FAILED``)."""
         if not self._contacted and not self._contact(job):
-            return False
+            return WRITE_TIMEOUT, 0.0  # the job has ended already
         try:
             self.engine.register(job.regions)
         except KVMoveError as e:
             log.warning("sending to %s: %s", self.peer, e)
-            job.finish(-1)
-            return False
+            return CLIENT_EXCEPTION, 0.0
         if job.gathered is not None:
             job.gathered.synchronize()
         t0 = time.perf_counter()
         for k in range(job.plan.num_calls):
             rc, abandoned = self._watched(job, False, *job.plan.call(k))
+            if rc == 0:
+                job.calls_ok = k + 1  # landed, even if late
             if rc != 0 or abandoned:
                 if not abandoned:
                     log.warning("a write of %d spans to %s failed (%d, %s); its pages are "
                                 "FAILED", len(job.plan.call(k)[2]), self.peer, rc,
                                 code_name(rc))
-                job.finish(rc if rc != 0 else WRITE_TIMEOUT, time.perf_counter() - t0)
-                return False
-            job.calls_ok = k + 1
+                return (WRITE_TIMEOUT if abandoned else rc), time.perf_counter() - t0
         job.finish(None, time.perf_counter() - t0)
-        return True
+        return None
 
     def __repr__(self) -> str:
         state = ("abandoned" if self.abandoned else "finished" if self._finished

@@ -4,6 +4,8 @@ process's host pool (a :class:`~kvmove.PageReceiver`), one network hop."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -23,7 +25,7 @@ from kvmove.checks import (
 from kvmove.direct.handle import BufferPlace, PageHandle
 from kvmove.direct.job import SendJob
 from kvmove.direct.link import PeerLink
-from kvmove.direct.slots import LayerSlots
+from kvmove.direct.slots import LayerSlots, SlotsClosed
 from kvmove.direct.spans import plan_spans
 from kvmove.direct.watchdog import Watchdog
 from kvmove.errors import KVMoveError, StagingFull
@@ -31,8 +33,8 @@ from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.moves import copy_pages
 from kvmove.rows.prepared import prepared_copy, resolve_backend
-from kvmove.status import NOT_SENT, STAGING_TIMEOUT, Status
-from kvmove.store.transfer_engine import TransportSettings
+from kvmove.status import CLIENT_EXCEPTION, NOT_SENT, STAGING_TIMEOUT, Status
+from kvmove.store.transfer_engine import ENGINE_ENV_DEFAULTS, TransportSettings
 from kvmove.transfer import Transfer, TransferResult
 from kvmove.tuning.autotune import tune_for_copies
 
@@ -41,6 +43,21 @@ log = logging.getLogger(__name__)
 HANDLES_KEPT = 256  # parsed handles kept (least recently used dropped)
 RETRY_AFTER_S = 1.0  # a receiver whose link broke is tried again after this long, ...
 RETRY_AFTER_MAX_S = 30.0  # ... doubling while its links keep breaking, up to this
+MOONCAKE_MIN_TIMEOUT_S = 5  # Mooncake raises an MC_TRANSFER_TIMEOUT below this to it
+CALL_TIMEOUT_MARGIN_S = 1.0  # call_timeout exceeds Mooncake's write timeout by this much
+
+
+def mooncake_write_timeout(environ=None) -> int:
+    """Seconds after which Mooncake (0.3.13) gives up on a write itself, in the engines
+    this process makes now: ``MC_TRANSFER_TIMEOUT`` as Mooncake reads it (C ``atoi``,
+    raised to 5), or kvmove's default (5) where it is not set. Mooncake adds 1 ns per byte
+    of the call (under 0.1 s for the largest call a sender makes)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("MC_TRANSFER_TIMEOUT")
+    if raw is None:
+        raw = ENGINE_ENV_DEFAULTS["MC_TRANSFER_TIMEOUT"]
+    number = re.match(r"\s*([+-]?\d+)", raw)
+    return max(MOONCAKE_MIN_TIMEOUT_S, int(number.group(1)) if number else 0)
 
 
 class _Staged:
@@ -84,21 +101,27 @@ class PageSender:
     Each receiver is written through a Transfer Engine of its own, made at the first send
     to it (settings from the ``MOONCAKE_*`` variables, ``hostname`` overriding
     ``MOONCAKE_LOCAL_HOSTNAME``), so that one that stops answering holds up no other. A
-    write that fails or does not return within ``call_timeout`` seconds ends ``FAILED``
-    for the pages it had not landed; that engine is then destroyed (Mooncake's only way to
-    stop a failed write from reading the staging) and its slots come back after it; the
-    next send to that receiver makes a new one. First contact with a receiver is a call
-    of no data, made before any of the staging is handed to the engine, so the slots of
-    sends to a receiver that stopped answering at first contact come back once their pages
-    are ``FAILED``, not when the stuck handshake returns a minute later. A receiver that is
-    gone (killed, closed) fails in under a second, one that stopped answering within
-    ``call_timeout`` (8 s).
+    write that fails or does not return within ``call_timeout`` seconds breaks that
+    engine; it is destroyed once the call has returned (Mooncake's only way to stop a
+    failed write from reading the staging and writing the receiver), and only then do the
+    pages the write had not landed end ``FAILED`` and its slots come back: a page reported
+    ``FAILED`` is not written after. The next send to that receiver makes a new engine.
+    Mooncake ends a write of data itself after ``MC_TRANSFER_TIMEOUT`` seconds (5 unless
+    set; :func:`mooncake_write_timeout`); ``call_timeout`` must exceed that by at least
+    :data:`CALL_TIMEOUT_MARGIN_S` (``ValueError`` otherwise). The watchdog bounds what
+    Mooncake does not: first contact with a receiver, a call of no data made before any of
+    the staging is handed to the engine. So the pages of sends to a receiver that stopped
+    answering at first contact end ``FAILED`` (never written) and their slots come back
+    after ``call_timeout``, not when the stuck handshake returns a minute later. A
+    receiver that is gone (killed, closed) fails in about a second, one that stopped
+    answering within ``call_timeout`` (8 s).
 
     ``alloc_timeout``: seconds a send waits for free staging slots before
     :class:`kvmove.StagingFull` (first piece; nothing was sent) or ``FAILED`` pages (code
     ``STAGING_TIMEOUT``, a later piece of a send larger than the staging). ``backend`` as
     for :func:`kvmove.gather`. Thread-safe. ``close()`` (or leaving a ``with`` block)
-    waits for the transfers in flight, then destroys the engines and frees the staging.
+    waits for the sends and transfers in flight, then destroys the engines and frees the
+    staging.
     """
 
     def __init__(self, kv: KVCache, *, page_tokens: int = 64, staging_slots: int = 256,
@@ -111,6 +134,17 @@ class PageSender:
         call_timeout = check_seconds(call_timeout, "call_timeout")
         alloc_timeout = check_seconds(alloc_timeout, "alloc_timeout", none_ok=True,
                                       zero_ok=True)
+        mooncake = mooncake_write_timeout()
+        if call_timeout < mooncake + CALL_TIMEOUT_MARGIN_S:
+            said = os.environ.get("MC_TRANSFER_TIMEOUT")
+            source = ("kvmove's default, MC_TRANSFER_TIMEOUT unset" if said is None else
+                      f"MC_TRANSFER_TIMEOUT={said!r}; Mooncake raises values below "
+                      f"{MOONCAKE_MIN_TIMEOUT_S} to {MOONCAKE_MIN_TIMEOUT_S}")
+            raise ValueError(
+                f"call_timeout ({call_timeout:g} s) must be at least {CALL_TIMEOUT_MARGIN_S:g} "
+                f"s above Mooncake's own write timeout ({mooncake} s: {source}), so that a "
+                f"write to a receiver that stopped answering fails in Mooncake first; raise "
+                f"call_timeout or lower MC_TRANSFER_TIMEOUT")
         self.settings = TransportSettings.from_env(local_hostname=hostname)
         self.kv = kv
         self.device = kv.device  # the gathers run there (the staging is host memory)
@@ -118,6 +152,8 @@ class PageSender:
         self.backend = backend
         self.alloc_timeout = alloc_timeout
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when _sending drops to 0
+        self._sending = 0  # send() calls in progress
         self._closed = False
         self._staged: dict[str, _Staged] = {}
         self._links: dict[str, PeerLink] = {}  # peer -> its link (the last one, maybe broken)
@@ -146,8 +182,23 @@ class PageSender:
         or destination page out of range, or a layer out of range; ``TypeError`` for
         indices that are not integers; :class:`kvmove.StagingFull` when no slots come free
         within ``alloc_timeout``; :class:`kvmove.KVMoveError` once closed or when no
-        engine can be made."""
-        self._check_open()
+        engine can be made. Once a piece of a send larger than the staging was handed on,
+        none of this raises for a later piece: its pages end ``FAILED`` (``STAGING_TIMEOUT``
+        when no slots came free in time, ``NOT_SENT`` when the sender was closed meanwhile,
+        ``-1`` when no engine could be made)."""
+        with self._lock:
+            if self._closed:
+                raise KVMoveError("the PageSender is closed")
+            self._sending += 1
+        try:
+            return self._send(handle, token_pages, dst_pages, layers)
+        finally:
+            with self._lock:
+                self._sending -= 1
+                if not self._sending:
+                    self._idle.notify_all()
+
+    def _send(self, handle, token_pages, dst_pages, layers: int | None) -> Transfer:
         target, places = self._target(handle)
         layer = check_layer(layers, self.kv.max_layers)
         pages, valid = self._check_pages(token_pages)
@@ -166,40 +217,56 @@ class PageSender:
             last = min(n, first + size)
             try:
                 slots = staged.slots.alloc(last - first, layer, timeout=self.alloc_timeout)
+            except SlotsClosed:
+                if first == 0:
+                    raise KVMoveError("the PageSender is closed") from None
+                _not_sent(transfer, first, n, NOT_SENT, "the sender was closed")
+                break
             except StagingFull:
                 if first == 0:
                     raise
-                left = n - first
-                log.warning("no staging slots came free within %s s: %d pages not sent",
-                            self.alloc_timeout, left)
-                transfer.add_piece(first, TransferResult([Status.FAILED] * left,
-                                                         [STAGING_TIMEOUT] * left, 0))
+                _not_sent(transfer, first, n, STAGING_TIMEOUT,
+                          f"no staging slots came free within {self.alloc_timeout} s")
                 break
             job = None
             try:
                 job = self._stage(staged, places, pages[first:last], dst[first:last],
                                   valid[first:last], slots, layer, ordered)
-                self._submit(target.peer, job)
+                closed = not self._submit(target.peer, job)
+                failure = KVMoveError("the PageSender is closed") if closed else None
+            except KVMoveError as e:  # no engine could be made
+                closed, failure = False, e
             except BaseException:
-                if job is not None and job.gathered is not None:
-                    job.gathered.synchronize()  # the gather may still write the slots
-                staged.slots.free(slots, layer)
+                self._unstage(staged, job, slots, layer)
                 raise
+            if failure is not None:
+                self._unstage(staged, job, slots, layer)
+                if first == 0:
+                    raise failure
+                _not_sent(transfer, first, n, NOT_SENT if closed else CLIENT_EXCEPTION,
+                          str(failure))
+                break
             transfer.add_piece(first, job.future)
             if job.gathered is not None:
                 transfer.gathered = job.gathered
         return transfer
 
     def close(self) -> None:
-        """Wait for the transfers in flight (each write ends within ``call_timeout``),
-        destroy the engines, free the staging. Idempotent. A call the transport never
-        returned in time (a receiver that stopped answering at first contact) is left to
-        its thread, which destroys its engine when it returns (if that call was a write of
-        the staging, the staging is freed only then)."""
+        """Wait for the sends in progress (a later piece of one, not started yet, ends
+        ``FAILED``, ``NOT_SENT``) and the transfers in flight (each write ends within
+        ``call_timeout``), destroy the engines, free the staging. Idempotent. A call the
+        transport never returned in time is left to its thread, which destroys its engine
+        when it returns (if that call was a write of the staging, the staging is freed only
+        then, when its slots come back)."""
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # no send starts, no piece is handed on, no staging made
+            staged = list(self._staged.values())
+        for s in staged:
+            s.slots.close()  # a send waiting for slots stops waiting
+        with self._lock:
+            self._idle.wait_for(lambda: not self._sending)
             links = list(self._links.values())
             self._links.clear()
         for link in links:
@@ -207,10 +274,8 @@ class PageSender:
         for link in links:
             link.wait_finished()
         self._watchdog.stop()
-        for staged in self._staged.values():
-            if staged.slots.wait_all_free(0):
-                staged.staging.close()
-            else:
+        for s in staged:
+            if not s.slots.when_all_free(s.staging.close):
                 log.warning("a write that never returned still reads the staging; it is "
                             "freed when that write ends")
 
@@ -226,10 +291,6 @@ class PageSender:
                 f"{self.settings.protocol}, {state})")
 
     # -- checks ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KVMoveError("the PageSender is closed")
-
     def _target(self, handle) -> tuple[PageHandle, list[BufferPlace]]:
         """The receiver ``handle`` names, checked against this cache's geometry, and its
         buffers' places in this cache's buffer order (parsed once per handle)."""
@@ -269,6 +330,8 @@ class PageSender:
     # -- steps ----------------------------------------------------------------------------
     def _staging_for(self, layout: str) -> _Staged:
         with self._lock:
+            if self._closed:
+                raise KVMoveError("the PageSender is closed")
             staged = self._staged.get(layout)
             if staged is None:
                 staged = _Staged(self.kv, layout, self.staging_slots, self.page_tokens,
@@ -310,18 +373,27 @@ class PageSender:
                        gathered=gathered, gather_s=time.perf_counter() - t0,
                        keep=staged.staging)
 
-    def _submit(self, peer: str, job: SendJob) -> None:
+    def _unstage(self, staged: _Staged, job: SendJob | None, slots: np.ndarray,
+                 layer: int | None) -> None:
+        """Give back the slots of a piece that was not handed on."""
+        if job is not None and job.gathered is not None:
+            job.gathered.synchronize()  # the gather may still write the slots
+        staged.slots.free(slots, layer)
+
+    def _submit(self, peer: str, job: SendJob) -> bool:
         """Queue ``job`` on the link to ``peer``: a new link where there is none, or where
         the last one broke, is gone (its engine destroyed: about a second after the
         failure; a minute when the peer stopped answering at first contact) and its
         back-off has passed (:data:`RETRY_AFTER_S`, doubling with each link in a row that
         broke before a job went through, up to :data:`RETRY_AFTER_MAX_S`: a receiver that is
         gone costs an engine now and then, not one per send). Until then the peer counts
-        as down: ``job`` ends ``FAILED`` (``NOT_SENT``) at once."""
+        as down: ``job`` ends ``FAILED`` (``NOT_SENT``) at once. False (nothing done with
+        ``job``) once the sender is closed; :class:`kvmove.KVMoveError` when no engine can
+        be made."""
         while True:
             with self._lock:
                 if self._closed:
-                    raise KVMoveError("the PageSender is closed")
+                    return False
                 link = self._links.get(peer)
                 if link is None:
                     link = self._links[peer] = PeerLink(peer, self.settings, self._watchdog)
@@ -337,6 +409,13 @@ class PageSender:
             if link is None:
                 job.finish(NOT_SENT)
                 job.release()
-                return
+                return True
             if link.submit(job):
-                return
+                return True
+
+
+def _not_sent(transfer: Transfer, first: int, n: int, code: int, why: str) -> None:
+    """Pages ``first..n`` of ``transfer`` end ``FAILED`` with ``code``: not tried."""
+    left = n - first
+    log.warning("%s: %d pages of the send not sent", why, left)
+    transfer.add_piece(first, TransferResult([Status.FAILED] * left, [code] * left, 0))

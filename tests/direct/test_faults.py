@@ -15,6 +15,7 @@ import torch
 
 import kvmove
 from kvmove import Status
+from kvmove.direct.sender import CALL_TIMEOUT_MARGIN_S, mooncake_write_timeout
 from kvmove.status import NOT_SENT, WRITE_TIMEOUT
 from tests.direct.conftest import HYBRID, KV_SLOTS, PAGE_TOKENS, PAGES, Remote, spec
 from tests.support.direct_pools import GUARD, kv_layers
@@ -24,6 +25,11 @@ P = PAGE_TOKENS
 
 def pages(first: int, n: int) -> torch.Tensor:
     return torch.arange(first, first + n * P).reshape(n, P)
+
+
+def shortest_call_timeout() -> float:
+    """The shortest ``call_timeout`` a sender takes (6 s unless MC_TRANSFER_TIMEOUT is set)."""
+    return mooncake_write_timeout() + CALL_TIMEOUT_MARGIN_S
 
 
 def forged(handle: str, **changes) -> str:
@@ -160,10 +166,11 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     rx = Remote(victim, spec("layer_first"), seed=9)
     other = receivers["layer_first"]
     assert kvmove.PageSender.__init__.__kwdefaults__["call_timeout"] < 10
-    # The default call_timeout (8 s) gives FAILED within 10 s; a shorter one keeps the
+    # The default call_timeout (8 s) gives FAILED within 10 s; the shortest one keeps the
     # test short, the mechanism is the same.
+    timeout = shortest_call_timeout()
     tx = kvmove.PageSender(kvmove.KVCache(kv_bytes), page_tokens=P, staging_slots=8,
-                           call_timeout=3, hostname="127.0.0.1")
+                           call_timeout=timeout, hostname="127.0.0.1")
     victim.signal(signal.SIGSTOP)  # at first contact Mooncake's handshake then waits 60 s
     t0 = time.monotonic()
     first = tx.send(rx.handle, pages(0, 2), [0, 1])
@@ -174,7 +181,7 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     other.assert_holds(expected)
     assert first.result(30).codes == [WRITE_TIMEOUT] * 2
     assert behind.result(30).codes == [NOT_SENT] * 2
-    assert time.monotonic() - t0 < 3 + 4  # the call timeout, and slack for a busy machine
+    assert time.monotonic() - t0 < timeout + 4  # the call timeout, and slack for a busy machine
     # Closing does not wait for the write the transport never returned (its thread
     # destroys its engine, and lets the staging go, once it does).
     t0 = time.monotonic()
@@ -189,8 +196,9 @@ def test_a_receiver_stalled_at_first_contact_gives_its_staging_back_at_once(
     # Mooncake's stuck handshake returns (a minute), or sends to healthy receivers starve.
     rx = Remote(victim, spec("layer_first"), seed=12)
     other = receivers["layer_first"]
+    timeout = shortest_call_timeout()
     tx = kvmove.PageSender(kvmove.KVCache(kv_bytes), page_tokens=P, staging_slots=4,
-                           call_timeout=2, alloc_timeout=4, hostname="127.0.0.1")
+                           call_timeout=timeout, alloc_timeout=4, hostname="127.0.0.1")
     try:
         victim.signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -202,7 +210,7 @@ def test_a_receiver_stalled_at_first_contact_gives_its_staging_back_at_once(
         # Every slot is free again: this send needs all four (StagingFull if not).
         assert tx.send(other.handle, pages(16, 4), [9, 10, 11, 12]).wait(30) == \
             [Status.OK] * 4
-        assert time.monotonic() - t0 < 2 + 3  # the call timeout, and slack
+        assert time.monotonic() - t0 < timeout + 3  # the call timeout, and slack
         other.assert_holds(expected)
     finally:
         tx.close()
