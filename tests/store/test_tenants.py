@@ -10,27 +10,15 @@ import pytest
 import kvmove
 from kvmove import Status, StoreConfig
 from kvmove.memory.host_memory import HostMemory
+from tests.support.tenants import multi_tenant_store
 
 pytestmark = pytest.mark.store
-
-QUOTA = """version: 1
-tenants:
-  - name: default
-    quota: 268435456
-  - name: team-a
-    quota: 268435456
-"""
-
 
 @pytest.fixture
 def tenants(tmp_path):
     """A default-tenant store on a master that keeps tenants apart, and a client of
     tenant ``team-a`` on it."""
-    policy = tmp_path / "quota.yaml"
-    policy.write_text(QUOTA)
-    default = kvmove.MooncakeStore.embedded(
-        global_segment_size=64 << 20,
-        master_args=["-enable_multi_tenants=true", f"-tenant_quota_connector_uri={policy}"])
+    default = multi_tenant_store(tmp_path)
     team = kvmove.MooncakeStore(StoreConfig(master_address=default.address, tenant_id="team-a",
                                             global_segment_size=64 << 20))
     yield default, team

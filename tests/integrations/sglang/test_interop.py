@@ -16,6 +16,7 @@ from tests.integrations.sglang.conftest import (
     sglang_backend,
     storage_config,
 )
+from tests.support.tenants import multi_tenant_store
 
 PAGE = 4
 TOKENS = 64  # 16 pages
@@ -107,14 +108,6 @@ def test_a_miss_among_hits(kind, master, model):
         reader.close()
 
 
-TENANTS = """version: 1
-tenants:
-  - name: default
-    quota: 1073741824
-  - name: team-a
-    quota: 1073741824
-"""
-
 
 def test_a_tenants_pages_are_its_own(tmp_path, model):
     """On a master that keeps tenants apart, pages kvmove's backend stores with the extra
@@ -123,11 +116,7 @@ def test_a_tenants_pages_are_its_own(tmp_path, model):
     and the default tenant (a client, or a backend that names no tenant) does not see them."""
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-    policy = tmp_path / "tenants.yaml"
-    policy.write_text(TENANTS)
-    default = kvmove.MooncakeStore.embedded(
-        global_segment_size=64 << 20,
-        master_args=["-enable_multi_tenants=true", f"-tenant_quota_connector_uri={policy}"])
+    default = multi_tenant_store(tmp_path)
     opened = []
     try:
         def extra(**more):

@@ -20,6 +20,7 @@ from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.scheduler import SchedulerSide
 from kvmove.integrations.vllm.worker import WorkerSide, unique_rounds
 from tests.integrations.vllm.caches import vllm_layer_caches
+from tests.support.tenants import multi_tenant_store
 
 BS = 32  # tokens per block
 LAYERS, NUM_BLOCKS = 2, 16
@@ -197,14 +198,6 @@ def test_requests_with_the_same_blocks_in_one_step(path, layerwise):
     assert block_bytes(dst, 11) == zeros and block_bytes(dst, 15) == zeros
 
 
-TENANTS = """version: 1
-tenants:
-  - name: default
-    quota: 1073741824
-  - name: team-a
-    quota: 1073741824
-"""
-
 
 def test_a_tenants_blocks_are_its_own(tmp_path, monkeypatch):
     """On a master that keeps tenants apart, the blocks the connector saves with vLLM's JSON
@@ -212,11 +205,7 @@ def test_a_tenants_blocks_are_its_own(tmp_path, monkeypatch):
     client of the tenant and the connector's scheduler of the tenant see them, its worker
     loads them byte-exact; the default tenant (a client, or a connector whose JSON names no
     tenant) does not see them."""
-    policy = tmp_path / "tenants.yaml"
-    policy.write_text(TENANTS)
-    default = kvmove.MooncakeStore.embedded(
-        global_segment_size=64 << 20,
-        master_args=["-enable_multi_tenants=true", f"-tenant_quota_connector_uri={policy}"])
+    default = multi_tenant_store(tmp_path)
     try:
         def use(**tenant):
             config = tmp_path / "tenant.json"
