@@ -56,6 +56,8 @@ _KEYS = {
 }
 # SGLang's settings for standalone storage (a separate mooncake_client serves the node).
 _STANDALONE_KEYS = ("client_server_address", "standalone_storage")
+# kvmove's own settings (no SGLang name): read from the environment for every source.
+_KVMOVE_VARS = ("KVMOVE_REPLICAS", "KVMOVE_CALL_TIMEOUT")
 _TRUE = ("true", "1", "yes", "y")  # SGLang's true values of a boolean variable
 DEFAULT_TENANT_ID = "default"  # SGLang's (and Mooncake's) tenant of a client that names none
 
@@ -111,6 +113,9 @@ def _from_mapping(values: Mapping, where: str, environ: Mapping[str, str],
         out["protocol"] = environ["MOONCAKE_PROTOCOL"].strip()
     out["rdma_devices"] = _rank_devices(out.get("rdma_devices", ""), storage_config)
     out["tenant_id"] = _tenant_id(out.get("tenant_id"))  # MOONCAKE_TENANT_ID is not read
+    for var in _KVMOVE_VARS:  # kvmove's own knobs apply whatever the source (not SGLang's)
+        if environ.get(var, "").strip():
+            out[ENV_VARS[var]] = environ[var].strip()
     return out
 
 
@@ -143,4 +148,11 @@ def store_config_for(storage_config, environ: Mapping[str, str] | None = None) -
                 * int(getattr(storage_config, "pp_size", 1) or 1))
     values["global_segment_size"] = parse_size(values["global_segment_size"],
                                                "global_segment_size") // ranks
-    return StoreConfig(**values)
+    try:
+        return StoreConfig(**values)
+    except ValueError as e:  # a value of kvmove's own variables: name the variable
+        var = next((v for v in _KVMOVE_VARS if str(e).startswith(ENV_VARS[v])
+                    and env.get(v, "").strip()), None)
+        if var is None:
+            raise
+        raise ValueError(f"environment variable {var}: {e}") from None

@@ -28,7 +28,7 @@ def env(monkeypatch):
                 "MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_GLOBAL_SEGMENT_SIZE",
                 "MOONCAKE_LOCAL_HOSTNAME", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH",
                 "LOCAL_HOSTNAME", "MOONCAKE_CLIENT", "MOONCAKE_STANDALONE_STORAGE",
-                "MOONCAKE_TENANT_ID"):
+                "MOONCAKE_TENANT_ID", "KVMOVE_REPLICAS", "KVMOVE_CALL_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)
     for var, value in ENV.items():
         monkeypatch.setenv(var, value)
@@ -190,6 +190,22 @@ def test_tenant_id_of_a_configured_source(env, tmp_path, source, settings, expec
     config = configured(env, tmp_path, source, {"master_server_address": MASTER, **settings})
     assert MooncakeBaseStore()._load_config(config).tenant_id == expected
     assert resolved(config) == sglang_setup(env, config)
+
+
+@pytest.mark.parametrize("source", ["extra", "file", "env"])
+def test_kvmoves_own_variables_apply_to_every_source(env, tmp_path, source):
+    """KVMOVE_REPLICAS and KVMOVE_CALL_TIMEOUT have no SGLang name: they are read from the
+    environment whichever source configures the store (they were dropped with an extra
+    config or a config file), and a bad value names its variable."""
+    env.setenv("KVMOVE_REPLICAS", "2")
+    env.setenv("KVMOVE_CALL_TIMEOUT", "3.5")
+    settings = ({"MOONCAKE_MASTER": MASTER} if source == "env"
+                else {"master_server_address": MASTER, "protocol": "tcp"})
+    ours = store_config_for(configured(env, tmp_path, source, settings))
+    assert (ours.replicas, ours.call_timeout) == (2, 3.5)
+    env.setenv("KVMOVE_REPLICAS", "0")
+    with pytest.raises(ValueError, match="KVMOVE_REPLICAS"):
+        store_config_for(configured(env, tmp_path, source, settings))
 
 
 def test_the_environ_argument_is_the_environment(env):
