@@ -241,7 +241,6 @@ class KVMover:
         # Store keys of in-place puts given up whose Mooncake call has not returned (see
         # _forget_when_done): a new put of one is not sent meanwhile.
         self._late_keys: set[str] = set()
-        self._late_puts = 0  # in-place puts given up whose Mooncake call has not returned
         store.register(self.staging)
         log_choice(self.path_choice)
 
@@ -441,11 +440,11 @@ class KVMover:
         if not first:
             return
         with self._lock:
-            late, late_puts = self._late_slots, self._late_puts
-        if late or late_puts:  # the last store call given up releases it all when it returns
-            log.warning("closing the mover: %d staging slots and %d in-place puts given up "
-                        "keep the staging and the KV rows registered until their store calls "
-                        "return (Mooncake's cap is 60 s)", late, late_puts)
+            late, late_keys = self._late_slots, len(self._late_keys)
+        if late or late_keys:  # the last store call given up releases it all when it returns
+            log.warning("closing the mover: %d staging slots and the KV rows of %d keys of "
+                        "in-place puts given up stay registered until their store calls "
+                        "return (Mooncake's cap is 60 s)", late, late_keys)
             return
         self._release_staging()
 
@@ -490,7 +489,7 @@ class KVMover:
         self.staging.free(slots)
         with self._lock:
             self._late_slots -= len(slots)
-            last = self._closed and self._late_slots == 0 and self._late_puts == 0
+            last = self._closed and self._late_slots == 0 and not self._late_keys
         if last:
             self._release_staging()
 
@@ -809,10 +808,11 @@ class KVMover:
         engine may have written them meanwhile (its evict ended FAILED): once the call has
         returned, remove what it stored after all (``late_stored``; never a key it did not
         store: that may hold a good object of an earlier put), so no key holds bytes of two
-        moments. Until then a new in-place put of ``keys`` is not sent (it ends FAILED)."""
+        moments. Until then a new in-place put of ``keys`` is not sent (it ends FAILED), and
+        the KV rows (and their zero row) stay registered. ``keys`` is never empty (the keys
+        of the call given up) and never shares a key with another pending put's."""
         with self._lock:
             self._late_keys.update(keys)
-            self._late_puts += 1  # the KV rows (and their zero row) stay registered
 
         def remove(future) -> None:
             stored = future.result()
@@ -825,8 +825,7 @@ class KVMover:
             finally:
                 with self._lock:
                     self._late_keys.difference_update(keys)
-                    self._late_puts -= 1
-                    last = self._closed and self._late_slots == 0 and self._late_puts == 0
+                    last = self._closed and self._late_slots == 0 and not self._late_keys
                 if last:  # close() left the release to the last call given up
                     self._release_staging()
 
