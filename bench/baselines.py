@@ -6,10 +6,11 @@
   ``index_select`` of the token rows into the staging view (gather) / ``index_copy_`` from
   it (scatter);
 - ``primitive_units`` (CPU): the primitive calls the torch backend makes, made plainly:
-  whole pages move in units of up to 16 KiB (``index_select`` into the staging units and
-  ``index_copy_`` from them, in 16-byte words where aligned, rows too; one ``memmove`` per
-  layer where both sides are one run of units), so the torch backend's own cost is its
-  time over this one;
+  whole pages move in units of up to 16 KiB (numpy's ``take`` into the staging units and
+  indexed assignment from them where the backend copies host units by numpy, else
+  ``index_select`` and ``index_copy_``, in 16-byte words where aligned, rows too; one
+  ``memmove`` per layer where both sides are one run of units), so the torch backend's own
+  cost is its time over this one;
 - ``memcpy_page``: one memcpy per page-layer span (``ctypes.memmove`` on the CPU,
   ``cudaMemcpyAsync`` to or from pinned host memory on a GPU);
 - ``memcpy_row``: one memcpy per token row per layer, what a naive port does;
@@ -33,6 +34,7 @@ import torch
 from bench.cases import Case
 from bench.workload import Workload
 from kvmove.memory.row_pool import shared_wide_type
+from kvmove.rows.host_copy import host_arrays, put_units, take_into_run, threads_for
 from kvmove.rows.plan import unit_tokens
 from kvmove.rows.torch_backend import (
     MEMMOVE_MAX_BYTES,
@@ -76,10 +78,10 @@ def primitive_units(w: Workload, case: Case) -> Method:
     """The primitive calls the torch backend makes, made plainly, on ``[units, unit bytes]``
     views in its widest element type (the units it moves whole pages in; rows where pages
     are one token): a ``memmove`` per layer where both sides are one run of units in host
-    memory (or a ``copy_``, larger or on a device); else per layer ``index_select`` /
-    ``index_copy_``, or one such call for every layer where both sides' layers are one
-    evenly spaced view (an ``index_select`` only while the copy is small, as the backend
-    does)."""
+    memory (or a ``copy_``, larger or on a device); else one call for every layer where
+    both sides' layers are one evenly spaced view (an ``index_select`` only while the copy
+    is small, as the backend does); else numpy's copies where the backend makes them
+    (:mod:`kvmove.rows.host_copy`); else per layer ``index_select`` / ``index_copy_``."""
     unit = unit_tokens(case.page_tokens, w.row_bytes)
     token_pages, _, _ = w.indices(case.pages)
     per_page = case.page_tokens // unit
@@ -116,6 +118,15 @@ def primitive_units(w: Workload, case: Case) -> Method:
                 for k, s in pairs:
                     k.copy_(s)
         return run_copies, case.nbytes
+    threads = threads_for(n * unit_bytes, case.layers)
+    arrays = host_arrays(kv_rows, st_rows, unit) if threads else None
+    if arrays is not None:  # numpy, as the backend copies host units of this size
+        (kv_units, st_units), layers, at = arrays, tuple(range(case.layers)), units.numpy()
+        if case.direction == "gather":
+            return (lambda: take_into_run(kv_units, st_units, layers, at, 0, threads),
+                    case.nbytes)
+        return (lambda: put_units(st_units, kv_units, layers, None, 0, at, threads),
+                case.nbytes)
     pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
     if case.direction == "gather":
         if n * unit_bytes > SERIAL_SELECT_MAX_BYTES:  # in bytes: even chunks over threads

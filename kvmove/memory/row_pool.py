@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
 from kvmove.kernels.alignment import pow2_alignment
@@ -114,6 +115,21 @@ class BufferRows:
                 views = tuple(v.view(dtype) for v in views)
             self._tables[key] = views
         return views
+
+    def unit_arrays(self, unit: int) -> tuple[np.ndarray, ...] | None:
+        """Per layer, the byte units of :meth:`unit_views` as numpy arrays on the same host
+        memory; None where the rows are not in host memory or a layer's units are not one
+        contiguous block (padded rows: numpy would copy a strided source whole) (cached)."""
+        key = ("arrays", unit)
+        if key in self._tables:
+            return self._tables[key]
+        arrays = None
+        if self.on_host and self.dense:
+            arrays = tuple(v.detach().numpy() for v in self.unit_views(unit))
+            if not all(a.flags.c_contiguous for a in arrays):
+                arrays = None
+        self._tables[key] = arrays
+        return arrays
 
     def stacked_units(self, layers: tuple[int, ...], unit: int, dtype: torch.dtype
                       ) -> torch.Tensor | None:

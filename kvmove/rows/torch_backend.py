@@ -22,9 +22,13 @@ Speed on the CPU:
   ``copy_`` per layer (or one for every layer of a stacked cache), in the widest element
   type (so that a small copy stays on one thread: waking OpenMP workers costs more than it
   moves);
-- ``index_select`` into a contiguous run of destination rows is a parallel memcpy per row
-  (one call per layer; one for every layer of a stacked cache while the copy is small, see
-  :data:`STACKED_SELECT_MAX_BYTES`);
+- into a contiguous run of destination rows, every layer of a stacked cache moves in one
+  ``index_select`` while the copy is small (:data:`STACKED_SELECT_MAX_BYTES`); otherwise
+  host memory moves by numpy (:mod:`kvmove.rows.host_copy`: a memcpy per unit, on the
+  calling thread or split over as many threads as torch uses, where that beats torch's
+  OpenMP threads), and the rest by one ``index_select`` per layer (a parallel memcpy per
+  row); scattered destinations in host memory move by numpy's indexed assignment on the
+  same terms;
 - ``index_copy_`` copies element by element, so its units are viewed with the widest element
   type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
   faster at 656-byte rows; 16 bytes, as complex128, another 15-40%); the per-layer views
@@ -38,6 +42,7 @@ import ctypes
 import torch
 
 from kvmove.memory.row_pool import BufferRows, shared_wide_type
+from kvmove.rows.host_copy import host_arrays, put_units, take_into_run, threads_for
 from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
 
 # A run of units into a run in host memory moves with one memmove per layer up to this many
@@ -119,29 +124,44 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     if not direct:
         s0 = d0 = None
     wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
-    s_idx = part.tensor("src", src.device)
+    layer_bytes = m * unit * src.row_bytes
     if d0 is not None:
-        small = m * unit * src.row_bytes * len(layers) <= STACKED_SELECT_MAX_BYTES
+        small = layer_bytes * len(layers) <= STACKED_SELECT_MAX_BYTES
         s3 = src.stacked_units(layers, unit, wide) if stack and small else None
         d3 = dst.stacked_units(layers, unit, wide) if s3 is not None else None
         if d3 is not None:  # into a run of every layer: one call
-            torch.index_select(s3, 1, s_idx, out=d3[:, d0:d0 + m])
+            torch.index_select(s3, 1, part.tensor("src", src.device), out=d3[:, d0:d0 + m])
             return
+        threads = threads_for(layer_bytes, len(layers))
+        arrays = host_arrays(src, dst, unit) if threads else None
+        if arrays is not None:  # numpy: a memcpy per unit
+            take_into_run(*arrays, layers, part.src, d0, threads)
+            return
+    s_idx = part.tensor("src", src.device)
+    if d0 is not None:
         # Into a run: a memcpy per unit, one call per layer. index_select hands its units
         # to threads in chunks of 32768 elements: in wide elements a small copy stays on
         # one thread (waking OpenMP workers costs more than it moves), in bytes a large one
         # is cut into even 32 KiB chunks.
-        serial = m * unit * src.row_bytes <= SERIAL_SELECT_MAX_BYTES
+        serial = layer_bytes <= SERIAL_SELECT_MAX_BYTES
         runs = dst.run_views(unit, d0, m, wide if serial else torch.uint8)
         if runs[0].is_contiguous():
             views = src.unit_views(unit, wide if serial else torch.uint8)
             for i in layers:
                 torch.index_select(views[i], 0, s_idx, out=runs[i])
             return
-    # Element-wise: in the widest element type both sides allow.
-    d_idx = part.tensor("dst", dst.device)
     d3 = dst.stacked_units(layers, unit, wide) if stack else None
     s3 = src.stacked_units(layers, unit, wide) if d3 is not None else None
+    threads = threads_for(layer_bytes, len(layers)) if s3 is None else 0
+    if not direct:  # inside one pool every part reads before any writes: one thread
+        threads = min(threads, 1)
+    arrays = host_arrays(src, dst, unit) if threads else None
+    if arrays is not None:  # numpy: a memcpy per unit
+        put_units(*arrays, layers, None if s0 is not None else part.src, s0, part.dst,
+                  threads)
+        return
+    # Element-wise: in the widest element type both sides allow.
+    d_idx = part.tensor("dst", dst.device)
     if d3 is not None and s3 is not None:  # every layer in one call
         taken = s3[:, s0:s0 + m] if s0 is not None else s3.index_select(1, s_idx)
         d3.index_copy_(1, d_idx, taken.to(dst.device))

@@ -1,0 +1,182 @@
+"""Row copies in host memory by numpy, for the torch backend: per layer one ``take`` of
+units into a run of units (a gather) or one indexed assignment into scattered units (a
+scatter). Numpy copies unit by unit with ``memcpy``, without the GIL; torch's CPU
+``index_select`` hands a copy past 32768 elements to its OpenMP threads, and
+``index_copy_`` moves element by element.
+
+Which is faster depends on how torch's OpenMP threads wait between parallel regions
+(measured on 2 vCPUs, 8 layers, 132-16384-byte units, against the torch calls the backend
+made before):
+
+- threads that sleep (``OMP_WAIT_POLICY=passive``): every parallel region wakes them.
+  Numpy on the calling thread takes 0.1-0.7x torch's time up to about 1 MiB a layer, and
+  split over as many threads as torch uses (:data:`SPLIT_MIN_BYTES` and up), 0.6-0.85x at
+  1-4 MiB a layer and 0.95x at 16 MiB (memory-bound);
+- one torch thread: numpy 0.65-1.0x at every size (one thread either way);
+- threads that spin (the default): numpy 0.6-0.9x up to 128 KiB a layer, 1.0-1.6x past
+  it; larger copies stay with torch.
+
+Both sides must be host memory whose units are one contiguous block per layer
+(:meth:`BufferRows.unit_arrays`): numpy would first copy a strided source whole.
+
+A split copy runs its first part on the calling thread and queues the others for helper
+threads (started on first use, as many as torch has threads, less one); the caller then
+runs any part no helper has started, so a call never waits behind another call's work.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvmove.memory.row_pool import BufferRows
+
+# With threads that spin, numpy copies layers of up to this many bytes (see above).
+SPINNING_THREADS_MAX_BYTES = 128 << 10
+# A copy of at least this many bytes (all layers) is split over torch's thread count, at
+# least this many bytes a thread (one part each: more parts measured slower, 0.7-1.0x).
+SPLIT_MIN_BYTES = 1 << 20
+
+
+@functools.cache
+def _threads_sleep() -> bool:
+    """Whether OpenMP threads wait passively (libgomp reads the variable once, at load)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+
+
+def threads_for(layer_bytes: int, layers: int) -> int:
+    """How many threads share a host copy of ``layer_bytes`` in each of ``layers`` layers
+    (1: the calling thread alone); 0 where torch's calls are faster."""
+    threads = torch.get_num_threads()
+    if threads > 1 and not _threads_sleep():
+        return 1 if layer_bytes <= SPINNING_THREADS_MAX_BYTES else 0
+    return max(1, min(threads, layer_bytes * layers // SPLIT_MIN_BYTES))
+
+
+def host_arrays(src: BufferRows, dst: BufferRows, unit: int
+                ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None:
+    """Both sides' per-layer unit arrays where both are in host memory and contiguous per
+    layer, else None."""
+    if not (src.on_host and dst.on_host):
+        return None
+    src_arrays = src.unit_arrays(unit)
+    dst_arrays = dst.unit_arrays(unit) if src_arrays is not None else None
+    return None if dst_arrays is None else (src_arrays, dst_arrays)
+
+
+def take_into_run(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
+                  layers: tuple[int, ...], src_units: np.ndarray, start: int,
+                  threads: int = 1) -> None:
+    """``dst[l][start + i] = src[l][src_units[i]]`` in each layer ``l`` of ``layers``, the
+    units shared out over ``threads`` threads. ``src_units`` must be in range (it is not
+    checked again: ``clip`` mode writes ``out`` directly, where ``raise`` mode would copy
+    through a buffer)."""
+    def copy(a: int, b: int) -> None:
+        units = src_units[a:b]
+        for i in layers:
+            np.take(src[i], units, axis=0, out=dst[i][start + a:start + b], mode="clip")
+
+    _run_split(copy, len(src_units), threads)
+
+
+def put_units(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
+              layers: tuple[int, ...], src_units: np.ndarray | None, src_start: int | None,
+              dst_units: np.ndarray, threads: int = 1) -> None:
+    """``dst[l][dst_units[i]] = src[l][...]`` in each layer ``l`` of ``layers``, from the
+    run of units at ``src_start`` or from ``src_units`` (when ``src_start`` is None), the
+    units shared out over ``threads`` threads. Every destination unit is written once
+    (distinct ``dst_units``); numpy reads a source that overlaps the destination first."""
+    def copy(a: int, b: int) -> None:
+        to = dst_units[a:b]
+        if src_start is not None:
+            for i in layers:
+                dst[i][to] = src[i][src_start + a:src_start + b]
+        else:
+            taken = src_units[a:b]
+            for i in layers:
+                dst[i][to] = src[i][taken]
+
+    _run_split(copy, len(dst_units), threads)
+
+
+def _run_split(copy: Callable[[int, int], None], count: int, threads: int) -> None:
+    """``copy(a, b)`` over ``0 .. count`` in ``threads`` even ranges: the first here, the
+    others queued for helpers and run here where no helper has started one."""
+    parts = min(count, threads)
+    if parts <= 1:
+        copy(0, count)
+        return
+    edges = [count * k // parts for k in range(parts + 1)]
+    queued = [_Part(copy, edges[k], edges[k + 1]) for k in range(1, parts)]
+    _helpers.hand_out(queued, threads - 1)
+    copy(edges[0], edges[1])
+    for part in queued:
+        part.run()  # not started by a helper yet: here
+    for part in queued:
+        part.finish()
+
+
+class _Part:
+    """One range of a split copy: run by whichever thread claims it first."""
+
+    __slots__ = ("_args", "_claim", "_copy", "_done", "_error")
+
+    def __init__(self, copy: Callable[[int, int], None], a: int, b: int):
+        self._copy, self._args = copy, (a, b)
+        self._claim = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # another thread has it
+        try:
+            self._copy(*self._args)
+        except BaseException as e:  # raised on the calling thread by finish()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def finish(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class _Helpers:
+    """Daemon threads that run queued parts; started as parts need them (a forked child
+    starts its own)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Part] = queue.SimpleQueue()
+        self._count = 0
+
+    def hand_out(self, parts: list[_Part], helpers: int) -> None:
+        """Queue ``parts`` for helper threads, starting up to ``helpers`` of them."""
+        if self._count < helpers:
+            with self._lock:
+                while self._count < helpers:
+                    self._count += 1
+                    threading.Thread(target=self._serve, args=(self._queue,), daemon=True,
+                                     name=f"kvmove-host-copy-{self._count}").start()
+        for part in parts:
+            self._queue.put(part)
+
+    @staticmethod
+    def _serve(work: queue.SimpleQueue) -> None:
+        while True:
+            work.get().run()
+
+
+_helpers = _Helpers()

@@ -1,0 +1,205 @@
+"""The torch backend's numpy copies in host memory (:mod:`kvmove.rows.host_copy`): on the
+calling thread, split over helper threads, or left to torch's calls, gathers, scatters and
+copies inside one pool write the same bytes, equal to a per-row reference; a split copy
+runs every part once, finishes where no helper runs, raises a part's error on the caller
+and works in a forked child; the choice follows how torch's threads wait."""
+
+from __future__ import annotations
+
+import os
+import threading
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvmove
+from kvmove.rows import host_copy
+from tests.support.caches import assert_same, buffer_specs, build_cache, fill_random, snapshot
+
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# threads_for's answers: torch's calls, numpy on the calling thread, numpy over 3 threads
+CHOICES = (0, 1, 3)
+
+
+def forced(threads: int):
+    """Every copy of the torch backend takes this choice, whatever its size."""
+    return mock.patch("kvmove.rows.torch_backend.threads_for", lambda *_: threads)
+
+
+@st.composite
+def pages_and_slots(draw, kv_slots: int, page_tokens: int, staging_slots: int):
+    """``(token_pages, slots)``: whole aligned pages or scattered distinct rows, into
+    distinct slots (a run or not)."""
+    aligned = kv_slots // page_tokens
+    n = draw(st.integers(1, min(staging_slots, max(aligned, 1))))
+    if aligned >= n and draw(st.booleans()):
+        firsts = torch.tensor(draw(st.permutations(range(aligned)))[:n]) * page_tokens
+        pages = firsts[:, None] + torch.arange(page_tokens)
+    else:
+        rows = draw(st.lists(st.integers(-1, kv_slots - 1), min_size=n * page_tokens,
+                             max_size=n * page_tokens))
+        pages = torch.tensor(rows).view(n, page_tokens)
+    first = draw(st.integers(0, staging_slots - n))
+    slots = (torch.arange(first, first + n) if draw(st.booleans())
+             else torch.tensor(draw(st.permutations(range(staging_slots)))[:n]))
+    return pages, slots
+
+
+def layer_list(layers, count: int) -> list[int]:
+    if layers is None:
+        return list(range(count))
+    return [layers] if isinstance(layers, int) else list(layers)
+
+
+@SETTINGS
+@given(data=st.data(), specs=buffer_specs(max_buffers=2, max_layers=4),
+       page_tokens=st.sampled_from([1, 2, 4, 16]), kv_slots=st.integers(4, 96))
+def test_every_host_copy_choice_writes_the_same_bytes(data, specs, page_tokens, kv_slots):
+    kv = build_cache(specs, kv_slots, seed=data.draw(st.integers(0, 100)))
+    staging_slots = data.draw(st.integers(1, 6))
+    pages, slots = data.draw(pages_and_slots(kv_slots, page_tokens, staging_slots))
+    layers = data.draw(st.one_of(st.none(), st.integers(0, kv.max_layers - 1),
+                                 st.just(sorted({0, kv.max_layers - 1}))))
+    # Where the scatter goes: distinct rows of another cache, -1 where the page was padding.
+    dst = torch.tensor(data.draw(st.permutations(range(kv_slots))))
+    dst = torch.cat([dst, torch.full((pages.numel(),), -1)])[:pages.numel()].view_as(pages)
+    dst[pages < 0] = -1
+    results = []
+    for threads in CHOICES:
+        staging = kvmove.StagingBuffer(kv, num_slots=staging_slots, page_tokens=page_tokens)
+        fill_random(staging, seed=5)
+        staged_before = snapshot(staging)
+        other = build_cache(specs, kv_slots, seed=200)
+        other_before = snapshot(other)
+        with forced(threads):
+            staged_rows = (slots[:, None] * page_tokens + torch.arange(page_tokens)).reshape(-1)
+            kvmove.copy_rows(kv, pages.reshape(-1), staging, staged_rows, layers=layers,
+                             backend="torch")
+            kvmove.scatter(staging, slots, other, dst, layers=layers, backend="torch")
+        # The reference, row by row.
+        want_staged = {k: [t.clone() for t in v] for k, v in staged_before.items()}
+        want_other = {k: [t.clone() for t in v] for k, v in other_before.items()}
+        for name in kv.buffer_names:
+            rb = kv.row_bytes(name)
+            for layer in layer_list(layers, kv.num_layers(name)):
+                if layer >= kv.num_layers(name):
+                    continue
+                source = kv.layer(name, layer)
+                for p, slot in enumerate(slots.tolist()):
+                    for t, (row, to) in enumerate(zip(pages[p].tolist(), dst[p].tolist(),
+                                                      strict=True)):
+                        if row >= 0:
+                            want_staged[name][layer][slot, t * rb:(t + 1) * rb] = source[row]
+                        if to >= 0:
+                            want_other[name][layer][to] = source[row]
+        assert_same(snapshot(staging), want_staged)
+        assert_same(snapshot(other), want_other)
+        results.append((snapshot(staging), snapshot(other)))
+    for staged, scattered in results[1:]:
+        assert_same(staged, results[0][0])
+        assert_same(scattered, results[0][1])
+
+
+@pytest.mark.parametrize("threads", CHOICES)
+def test_a_copy_inside_one_pool_reads_every_row_before_it_writes(threads):
+    """Overlapping source and destination rows of one cache (unchecked: ``check=True``
+    refuses them): each destination gets its source row as it was before the call."""
+    specs = [("kv", 2, 656, torch.uint8, 0, True), ("ix", 3, 132, torch.uint8, 0, False)]
+    kv = build_cache(specs, 48, seed=8)
+    before = snapshot(kv)
+    src = torch.tensor([*range(0, 16), 40, 41])
+    dst = torch.tensor([*range(8, 24), 41, 40])
+    with forced(threads):
+        kvmove.copy_rows(kv, src, kv, dst, backend="torch", check=False)
+    for name, layers in before.items():
+        for layer, rows in enumerate(layers):
+            want = rows.clone()
+            want[dst] = rows[src]
+            assert torch.equal(kv.layer(name, layer), want), (name, layer)
+
+
+def test_a_split_copy_runs_every_part_once_on_helpers_and_the_caller():
+    seen, lock = [], threading.Lock()
+
+    def copy(a: int, b: int) -> None:
+        with lock:
+            seen.append((a, b, threading.current_thread().name))
+
+    for _ in range(20):
+        seen.clear()
+        host_copy._run_split(copy, 10, 4)
+        assert sorted((a, b) for a, b, _ in seen) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+        assert (0, 2, threading.current_thread().name) in seen  # the first part: the caller
+
+
+def test_a_split_copy_finishes_where_no_helper_runs():
+    seen = []
+    with mock.patch.object(host_copy._helpers, "hand_out", lambda parts, helpers: None):
+        host_copy._run_split(lambda a, b: seen.append((a, b)), 9, 3)
+    assert seen == [(0, 3), (3, 6), (6, 9)]
+
+
+def test_a_parts_error_is_raised_on_the_caller_after_every_part_ran():
+    seen = []
+
+    def copy(a: int, b: int) -> None:
+        seen.append(a)
+        if a:
+            raise ValueError(f"part at {a}")
+
+    with pytest.raises(ValueError, match="part at"):
+        host_copy._run_split(copy, 4, 2)
+    assert sorted(seen) == [0, 2]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_starts_helpers_of_its_own():
+    host_copy._run_split(lambda a, b: None, 4, 2)  # the parent's helpers are running
+    pid = os.fork()
+    if pid == 0:  # the child: its helpers did not survive the fork
+        code = 1
+        try:
+            names = []
+            host_copy._run_split(
+                lambda a, b: names.append(threading.current_thread().name) if a else None,
+                8, 2)
+            helpers = [t.name for t in threading.enumerate()
+                       if t.name.startswith("kvmove-host-copy")]
+            code = 0 if len(names) == 1 and helpers else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_choice_follows_how_torchs_threads_wait(monkeypatch):
+    kib = 1 << 10
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)  # spinning threads
+    assert host_copy.threads_for(128 * kib, 8) == 1
+    assert host_copy.threads_for(128 * kib + 1, 8) == 0  # torch's threads are faster
+    monkeypatch.setattr(host_copy, "_threads_sleep", lambda: True)  # sleeping threads
+    assert host_copy.threads_for(64 * kib, 8) == 1  # 512 KiB in all: no split
+    assert host_copy.threads_for(256 * kib, 8) == 2  # 2 MiB: two threads
+    assert host_copy.threads_for(64 << 20, 8) == 4  # as many as torch has
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)
+    assert host_copy.threads_for(64 << 20, 8) == 1  # one thread: numpy at any size
+
+
+def test_unit_arrays_view_host_rows_and_refuse_padded_ones():
+    kv = build_cache([("kv", 3, 656, torch.float16, 0, True),
+                      ("pad", 2, 132, torch.uint8, 4, False)], 32)
+    dense, padded = kv.row_pool.buffers["kv"], kv.row_pool.buffers["pad"]
+    assert padded.unit_arrays(1) is None  # a strided source numpy would copy whole
+    arrays = dense.unit_arrays(4)
+    assert [a.shape for a in arrays] == [(8, 4 * 656)] * 3
+    arrays[1][2, :] = 7  # the same memory as the cache's rows 8..11 of layer 1
+    assert bool((dense.layers[1][8:12] == 7).all())
+    assert dense.unit_arrays(4) is arrays  # cached
+    assert all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays)
