@@ -8,7 +8,12 @@
   scatter (whole-cache, and layer by layer).
 - vLLM: its worker's data path: ``RankLocalStoreLayout.prepare_values`` descriptors straight
   into the registered KV cache, ``batch_is_exist`` + ``batch_put_from_multi_buffers`` on save,
-  ``batch_get_into_multi_buffers`` on load (zero copy), as its send/receive threads do.
+  ``batch_get_into_multi_buffers`` on load (zero copy). Its connector makes these calls on
+  its send and receive threads (vLLM's ``KVTransferThread``: a request queue, a daemon
+  thread; loads are always asynchronous, ``load_async`` is asserted), and so does this
+  bench, on a ``KVTransferThread`` of vLLM's own code: "vLLM save" / "vLLM load", the
+  figures the ratios are taken against. The same calls made on the caller's thread, with
+  no thread between (what no vLLM configuration does), are reported too: "(inline)".
 
 Both talk to one embedded master through one Mooncake client, over loopback TCP. Needs the
 vLLM environment (``bash scripts/test_vllm.sh --setup-only``)::
@@ -16,7 +21,9 @@ vLLM environment (``bash scripts/test_vllm.sh --setup-only``)::
     .venv-vllm/bin/python -m bench.bench_vllm [--quick] [--json PATH]
 
 Figures are medians of interleaved repeats (kvmove and vLLM alternate within each repeat);
-every repeat checks the loaded bytes against the saved ones.
+every repeat checks the loaded bytes against the saved ones. The caller waits for a
+transfer the same way on both sides: ``Transfer.wait()``, or an event the vLLM thread sets
+after its call.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import hashlib
 import platform
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -46,6 +54,30 @@ def llama_like_cache(layers: int, blocks: int, heads: int, block_size: int,
     full = torch.empty(layers, blocks, heads, block_size, 2 * head_dim, dtype=torch.bfloat16)
     full.view(torch.int16).random_(-(1 << 15), 1 << 15)
     return [full[i] for i in range(layers)]
+
+
+def transfer_thread(block_size: int):
+    """A started thread of vLLM's ``KVTransferThread`` (the base of its connector's send
+    and receive threads: its request queue and daemon loop) whose requests are ``(call,
+    done)``: it runs ``call()`` as its ``_handle_request`` would, then sets ``done``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+        KVTransferThread,
+    )
+
+    class Thread(KVTransferThread):
+        def _handle_request(self, request) -> None:
+            call, done = request
+            try:
+                call()
+            finally:
+                self.request_queue.task_done()
+                done.set()
+
+    ready = threading.Event()
+    thread = Thread(None, [], block_size, 0, ready, "bench-vllm-transfer")
+    thread.start()
+    ready.wait()
+    return thread
 
 
 def _timed(fn) -> float:
@@ -78,8 +110,10 @@ def bench(args) -> dict:
     vllm = RankLocalStoreLayout(KeyMetadata("bench-llama", 0, 0, 0, 0), bs, bs)
     vllm.register_kv_caches(src, num_blocks)
     chunks = [(i * bs, (i + 1) * bs) for i in range(n)]
-    rows: dict[str, list[float]] = {"kvmove save": [], "vLLM save": [], "kvmove load": [],
-                                    "kvmove load (layer-wise)": [], "vLLM load": []}
+    rows: dict[str, list[float]] = {name: [] for name in (
+        "kvmove save", "vLLM save", "vLLM save (inline)", "kvmove load",
+        "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)")}
+    thread = transfer_thread(bs)
     segment = max(1 << 30, 4 * total * args.repeat + (256 << 20))
     with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
         views, _ = block_regions([(f"l{i}", t) for i, t in enumerate(src)], num_blocks)
@@ -116,6 +150,11 @@ def bench(args) -> dict:
             res = client.batch_get_into_multi_buffers(k, addrs, sizes)
             assert res == [object_bytes] * n, res[:4]
 
+        def on_thread(call, k):
+            done = threading.Event()
+            thread.add_request((lambda: call(k), done))
+            done.wait()
+
         def kvmove_save(k):
             assert mover.evict(k, save_pages).wait() == [kvmove.Status.OK] * n
 
@@ -129,26 +168,29 @@ def bench(args) -> dict:
 
         for t in src:
             t[load_ids] = 0
+        saves = {"kvmove": kvmove_save, "vLLM": lambda k: on_thread(vllm_save, k),
+                 "vLLM (inline)": vllm_save}
+        loads = {"kvmove": lambda k: kvmove_load(k, False),
+                 "vLLM": lambda k: on_thread(vllm_load, k), "vLLM (inline)": vllm_load}
         for r in range(args.warmup + args.repeat):
-            kk, kv_ = keys("kvmove"), keys("vllm")
-            order = [("kvmove", kk), ("vLLM", kv_)] if r % 2 == 0 else [("vLLM", kv_),
-                                                                        ("kvmove", kk)]
+            tagged = {who: keys(who) for who in saves}
+            order = list(saves)
+            order = order[r % 3:] + order[:r % 3]  # rotated: each goes first in turn
             times = {}
-            for who, k in order:
-                times[f"{who} save"] = _timed(lambda k=k, who=who: (
-                    kvmove_save(k) if who == "kvmove" else vllm_save(k)))
-            for who, k in order:
-                times[f"{who} load"] = _timed(lambda k=k, who=who: (
-                    kvmove_load(k, False) if who == "kvmove" else vllm_load(k)))
+            for who in order:
+                times[_row(who, "save")] = _timed(lambda f=saves[who], k=tagged[who]: f(k))
+            for who in order:
+                times[_row(who, "load")] = _timed(lambda f=loads[who], k=tagged[who]: f(k))
                 check_loaded()
+            kk = tagged["kvmove"]
             times["kvmove load (layer-wise)"] = _timed(lambda kk=kk: kvmove_load(kk, True))
             check_loaded()
             # vLLM's own objects load through kvmove and the reverse: same bytes.
-            kvmove_load(kv_, False)
+            kvmove_load(tagged["vLLM"], False)
             check_loaded()
             vllm_load(kk)
             check_loaded()
-            store.remove(kk + kv_, force=True)
+            store.remove([k for ks in tagged.values() for k in ks], force=True)
             if r >= args.warmup:
                 for name, s in times.items():
                     rows[name].append(s)
@@ -166,8 +208,16 @@ def bench(args) -> dict:
         # each other, so that the load of a shared machine, drifting over seconds, cancels)
         "paired_ratio": {op: _paired(rows[f"vLLM {op}"], rows[f"kvmove {op}"])
                          for op in ("save", "load")},
+        "inline_ratio": {op: med[f"vLLM {op} (inline)"] / med[f"kvmove {op}"]
+                         for op in ("save", "load")},
         "kvmove_path": {"save": choice.evict, "load": choice.prefetch, "why": choice.reason},
     }
+
+
+def _row(who: str, op: str) -> str:
+    """"vLLM (inline)", "save" -> "vLLM save (inline)"."""
+    name, _, how = who.partition(" ")
+    return f"{name} {op}" + (f" {how}" if how else "")
 
 
 def _paired(theirs: list[float], ours: list[float]) -> dict:
@@ -188,8 +238,13 @@ def report(result: dict, console) -> None:
         table.add_row(k, f"{v * 1e3:.2f}", f"{s['median_GBps'][k]:.2f}",
                       f"{s['spread'][k] * 100:.0f}%")
     console.print(table)
-    console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
+    console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster; vLLM's calls on its "
+                  f"transfer thread, as its connector makes them): save "
                   f"{s['save_ratio']:.2f}x, load {s['load_ratio']:.2f}x")
+    inline = s.get("inline_ratio")
+    if inline:
+        console.print(f"against vLLM's calls made inline (no thread): save "
+                      f"{inline['save']:.2f}x, load {inline['load']:.2f}x")
     paired = s.get("paired_ratio")
     if paired:
         console.print("the same, per repeat (median of paired ratios, quartiles): " + ", ".join(

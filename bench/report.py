@@ -213,8 +213,14 @@ def suite_section(name: str, suite: dict) -> list[str]:
                 f"{v['object_bytes'] / 1024:.0f} KiB, kvmove's connector path against vLLM's "
                 "MooncakeStoreConnector path on the same KV tensors:", ""]
         out += _gbps_table(v["median_GBps"])
-        out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster): save "
+        out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster; vLLM's calls on its "
+                f"transfer thread, as its connector makes them): save "
                 f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x"]
+        if "inline_ratio" in v:
+            out.append(f"- against vLLM's calls made inline on the caller's thread (no "
+                       f"thread, which no vLLM configuration does): save "
+                       f"{v['inline_ratio']['save']:.2f}x, load "
+                       f"{v['inline_ratio']['load']:.2f}x")
         if "paired_ratio" in v:
             out.append("- per repeat (median of paired ratios, quartiles): " + ", ".join(
                 f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
