@@ -43,6 +43,9 @@ class ConnectorPlan:
     layerwise: bool
     staging_bytes: int
     path: str = "auto"  # KVMover's path: "auto" (measured per direction), "staged", "in_place"
+    # EAGLE-like speculative decoding: a store hit gives up its last block, as vLLM's prefix
+    # cache and its connector do (that block's draft KV was made with the next token)
+    eagle_block_drop: bool = False
 
     def saves_block(self, tp_rank: int, position: int) -> bool:
         """Whether TP rank ``tp_rank`` saves the block at ``position`` in its request. Ranks
@@ -118,6 +121,7 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
     if path not in ("auto", "staged", "in_place"):
         raise ValueError(f"kv_connector_extra_config path must be 'auto', 'staged' or "
                          f"'in_place', got {path!r}")
+    speculative = getattr(vllm_config, "speculative_config", None)
     return ConnectorPlan(
         block_size=block_size,
         hash_block_size=hash_block_size,
@@ -136,4 +140,5 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         layerwise=str(extra.get("layerwise", "true")).lower() == "true",
         staging_bytes=staging,
         path=path,
+        eagle_block_drop=speculative is not None and speculative.use_eagle_block_drop(),
     )

@@ -56,6 +56,8 @@ class SchedulerSide:
         hit = 0
         while hit < n and all(found[j * n + hit] for j in range(len(namespaces))):
             hit += 1
+        if plan.eagle_block_drop and hit:  # as vLLM's lookups: the last block is dropped
+            hit -= 1
         hit_tokens = hit * bs
         if hit_tokens >= request.num_tokens:  # vLLM computes at least the last token
             hit_tokens = (request.num_tokens - 1) // bs * bs

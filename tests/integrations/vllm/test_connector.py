@@ -5,6 +5,7 @@ each step carries and the bytes that land in the blocks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from types import SimpleNamespace
@@ -168,6 +169,49 @@ def test_a_resumed_request_loads_its_store_hit():
     with worker_side(plan, dst) as w:
         assert load(w, resumed) == set()
     assert [block_bytes(dst, b) for b in (3, 2, 1)] == [block_bytes(src, b) for b in (7, 8, 9)]
+
+
+def test_an_eagle_hit_gives_up_its_last_block():
+    """With EAGLE-like speculative decoding vLLM drops the last block of a prefix hit (its
+    draft KV was made with the token after it): so does the connector's lookup, whole hits
+    and hits capped at the last token alike."""
+    plan, eagle = plan_for(), dataclasses.replace(plan_for(), eagle_block_drop=True)
+    hashes = block_hashes("eagle", 3)
+    with worker_side(plan, caches(seed=6)) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer(
+            "x", [h.hex() for h in hashes], [1, 2, 3], 0)]))
+    for p, longer, capped in ((plan, 96, 64), (eagle, 64, 64)):
+        sched = SchedulerSide(p)
+        try:
+            assert sched.matched_tokens(request("f", hashes, 200), 0) == longer
+            # a 96-token prompt: vLLM computes its last token, so 2 blocks (with EAGLE too)
+            assert sched.matched_tokens(request("g", hashes, 96), 0) == capped
+            assert sched.matched_tokens(request("h", hashes, 200), 64) == longer - 64
+        finally:
+            sched.close()
+
+
+@pytest.mark.parametrize("eagle", [None, True, False])
+def test_the_plan_follows_vllms_eagle_block_drop(eagle):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvmove.integrations.vllm.plan import plan_from_vllm
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    speculative = None if eagle is None else SimpleNamespace(
+        use_eagle_block_drop=lambda: eagle)  # vLLM's method: EAGLE-like, drop not disabled
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_both"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        prefill_context_parallel_size=1,
+                                        decode_context_parallel_size=1),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, model="org/tiny"),
+        cache_config=SimpleNamespace(block_size=BS, prefix_match_unit=None),
+        speculative_config=speculative)
+    kv_cache_config = SimpleNamespace(hisparse_host_num_blocks=None, kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=spec, layer_names=NAMES)])
+    assert plan_from_vllm(vllm_config, kv_cache_config).eagle_block_drop is bool(eagle)
 
 
 @pytest.mark.parametrize("path,layerwise", [("staged", True), ("in_place", False)])
