@@ -15,6 +15,10 @@ load ends in ``start_load_kv``), ``staging_bytes`` (default 1 GiB of staging) an
 the store reaches vLLM's KV memory and that measures faster, as vLLM's own connector does;
 ``"staged"``; ``"in_place"``). In place, a save returns once the store has read the blocks.
 
+Lookups and saves follow vLLM's connector: under EAGLE-like speculative decoding a hit
+gives up its last block; a step that loads a request's blocks saves none of them; saves
+start at a request's first block and put only the keys the store lacks.
+
 vLLM is imported here only; ``import kvmove`` never imports it.
 """
 

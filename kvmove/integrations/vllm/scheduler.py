@@ -19,13 +19,20 @@ log = logging.getLogger(__name__)
 class _Request:
     request: Any
     block_ids: list[int]
-    saved_blocks: int  # blocks [0, saved_blocks) are in the store or need no save
+    saved_blocks: int  # blocks [0, saved_blocks) are scheduled for saving already
     load: BlockTransfer | None = None
 
 
 class SchedulerSide:
     """The connector's scheduler side: one batched ``exists`` per request, loads and saves
-    scheduled in the step's metadata."""
+    scheduled in the step's metadata.
+
+    Saves follow vLLM's ``MooncakeStoreConnector``: a request's full blocks are scheduled
+    from its first block on, those vLLM's own prefix cache or a load supplied included (the
+    worker puts only the keys the store lacks), so a prefix block that left the store, or
+    whose load failed and was recomputed, is stored again; and a step that loads a request's
+    blocks saves none of its blocks (were that load to fail, the tokens computed in the step
+    over those blocks would be stored under good keys); its next step does."""
 
 
     def __init__(self, plan: ConnectorPlan):
@@ -81,19 +88,18 @@ class SchedulerSide:
 
     def build_meta(self, out) -> KVMoveConnectorMetadata:
         meta = KVMoveConnectorMetadata()
-        bs = self.plan.block_size
         scheduled = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            loaded = new.num_computed_tokens
+            state.saved_blocks = 0
             if state.load is not None:
                 meta.loads.append(state.load)
                 state.load = None
-            state.saved_blocks = loaded // bs
-            self._add_save(meta, state, loaded + scheduled.get(new.req_id, 0))
+                continue  # no save in a step that loads
+            self._add_save(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -105,10 +111,11 @@ class SchedulerSide:
                 # has all-new ones, and its store hit (looked up again, counted in
                 # num_computed_tokens) loads into them now, as a new request's does.
                 state.block_ids = list(new_ids[0]) if new_ids else []
+                state.saved_blocks = 0
                 if state.load is not None:
                     meta.loads.append(state.load)
                     state.load = None
-                state.saved_blocks = cached.num_computed_tokens[i] // bs
+                    continue  # no save in a step that loads
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))

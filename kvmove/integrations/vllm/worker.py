@@ -151,6 +151,13 @@ class WorkerSide:
             for h, b, pos in zip(t.keys, t.block_ids, t.positions(), strict=True):
                 if self.plan.saves_block(self.tp_rank, pos):
                     first_block.setdefault(self.key_prefix + h, b)
+        # Saves start at a request's first block (see SchedulerSide): put only what the
+        # store lacks, as vLLM's connector does (a key the master did not answer for is put;
+        # the put asks again).
+        present = self.store.exists(list(first_block))
+        for key, found in zip(list(first_block), present, strict=True):
+            if found:
+                del first_block[key]
         if not first_block:
             return
         keys, block_ids = list(first_block), list(first_block.values())

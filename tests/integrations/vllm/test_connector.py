@@ -124,8 +124,9 @@ def transfers(items: list[BlockTransfer]) -> list[tuple[list[str], list[int]]]:
 
 def test_a_resumed_request_loads_its_store_hit():
     """A request preempted and resumed (vLLM's V1 model runner: a cached request in
-    ``resumed_req_ids``) whose prefix the store holds loads it into its new blocks, once,
-    and saves none of them again."""
+    ``resumed_req_ids``) whose prefix the store holds loads it into its new blocks, once;
+    the steps that load save nothing, the next one schedules its blocks from the first and
+    the worker puts none of them again (the store has them)."""
     plan = plan_for()
     hashes = block_hashes("resumed", 3)
     keys = [h.hex() for h in hashes]
@@ -157,18 +158,83 @@ def test_a_resumed_request_loads_its_store_hit():
         resumed = sched.build_meta(output(
             cached=cached_request("b", [3, 2, 1, 0], 96, resumed=True), scheduled={"b": 4}))
         assert transfers(resumed.loads) == [(keys, [3, 2, 1])]
-        assert resumed.saves == []  # those blocks are in the store; the 4th is not full
-        # Its next step (decode) loads and saves nothing.
-        meta = sched.build_meta(output(cached=cached_request("b", None, 100, resumed=False),
+        assert resumed.saves == []  # a step that loads saves nothing
+        # Its next step (decode) loads nothing and schedules its full blocks from block 0.
+        after = sched.build_meta(output(cached=cached_request("b", None, 100, resumed=False),
+                                        scheduled={"b": 1}))
+        assert after.loads == [] and transfers(after.saves) == [(keys, [3, 2, 1])]
+        meta = sched.build_meta(output(cached=cached_request("b", None, 101, resumed=False),
                                        scheduled={"b": 1}))
-        assert meta.loads == [] and meta.saves == []
+        assert meta.loads == [] and meta.saves == []  # scheduled once
     finally:
         sched.close()
 
     dst = caches(seed=2, zero=True)
     with worker_side(plan, dst) as w:
         assert load(w, resumed) == set()
+        w.save(after)
+        assert w.mover.stats().evicts == 0  # the store holds every key: nothing is put
     assert [block_bytes(dst, b) for b in (3, 2, 1)] == [block_bytes(src, b) for b in (7, 8, 9)]
+
+
+def test_blocks_from_vllms_own_prefix_cache_are_saved_when_the_store_lacks_them():
+    """A request whose first blocks vLLM's local prefix cache supplied (computed tokens, no
+    store hit) schedules its full blocks from block 0, as vLLM's connector does; the worker
+    puts those the store lacks (a prefix block that left the store is stored again), and
+    skips the others."""
+    plan = plan_for()
+    hashes = block_hashes("local-prefix", 3)
+    keys = [h.hex() for h in hashes]
+    src = caches(seed=3)
+    with worker_side(plan, src) as w:  # block 1 is in the store already
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", [keys[1]], [5], 1)]))
+    sched = SchedulerSide(plan)
+    try:
+        req = request("c", hashes, 100)
+        assert sched.matched_tokens(req, 64) == 0  # the store lacks block 0: no hit
+        sched.after_alloc(req, [4, 5, 6, 11], 0)
+        meta = sched.build_meta(output([new_request("c", [4, 5, 6, 11], 64)],
+                                       scheduled={"c": 36}))
+        assert meta.loads == [] and transfers(meta.saves) == [(keys, [4, 5, 6])]
+    finally:
+        sched.close()
+    with worker_side(plan, src) as w:
+        w.save(meta)
+        w._reap_saves(wait=True)
+        stats = w.mover.stats()
+        assert stats.pages_put == 2  # blocks 0 and 2; block 1 was there ...
+        assert stats.statuses[kvmove.Status.EXISTS] == 0  # ... and was not sent
+    dst = caches(seed=4, zero=True)
+    with worker_side(plan, dst) as w:
+        assert load(w, KVMoveConnectorMetadata(loads=[BlockTransfer("d", keys, [0, 1, 2])])) \
+            == set()
+    assert [block_bytes(dst, b) for b in (0, 1, 2)] == [block_bytes(src, b) for b in (4, 5, 6)]
+
+
+def test_a_step_that_loads_saves_nothing_then_its_blocks_are_saved_from_the_first():
+    """vLLM's rule: a step that loads a request's blocks saves none of them (a failed load
+    would have its new tokens computed over bad KV, and stored under good keys); the next
+    step schedules every full block from block 0, the loaded ones (the store has them) and
+    the ones computed over them."""
+    plan = plan_for()
+    hashes = block_hashes("load-then-save", 4)
+    keys = [h.hex() for h in hashes]
+    src = caches(seed=5)
+    with worker_side(plan, src) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys[:2], [1, 2], 0)]))
+    sched = SchedulerSide(plan)
+    try:
+        req = request("e", hashes, 130)
+        assert sched.matched_tokens(req, 0) == 64
+        sched.after_alloc(req, [8, 9, 10, 11, 12], 64)
+        first = sched.build_meta(output([new_request("e", [8, 9, 10, 11, 12], 64)],
+                                        scheduled={"e": 66}))
+        assert transfers(first.loads) == [(keys[:2], [8, 9])] and first.saves == []
+        second = sched.build_meta(output(cached=cached_request("e", None, 130, resumed=False),
+                                         scheduled={"e": 1}))
+        assert second.loads == [] and transfers(second.saves) == [(keys, [8, 9, 10, 11])]
+    finally:
+        sched.close()
 
 
 def test_an_eagle_hit_gives_up_its_last_block():
