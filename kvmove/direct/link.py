@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 class PeerLink:
     def __init__(self, peer: str, settings: TransportSettings, watchdog: Watchdog):
         self.peer = peer
-        self.engine = Engine(settings)
+        self.engine = Engine(settings.named_apart())  # one engine per receiver
         self._watchdog = watchdog
         self._jobs: deque[SendJob] = deque()
         self._cond = threading.Condition()

@@ -58,7 +58,9 @@ class PageReceiver:
         # Checked before anything is opened (the peer's name is known once it is).
         unbound = PageHandle("unbound:0", pool.layout, pool.page_tokens, pool.num_slots,
                              places)
-        engine = Engine(settings)
+        # A name of its own beside other engines of this process (a store client's, other
+        # receivers'), unless the caller named its port.
+        engine = Engine(settings if settings.has_port else settings.named_apart())
         try:
             engine.register([(p.address, p.nbytes) for p in places])
             handle = dataclasses.replace(unbound, peer=engine.peer)

@@ -106,9 +106,9 @@ class ReplicaReader:
     def __init__(self, *, local_hostname: str, metadata_server: str, protocol: str,
                  rdma_devices: str):
         try:
-            self._engine = Engine(TransportSettings(
+            self._engine = Engine(TransportSettings(  # beside the store's own client
                 local_hostname=local_hostname, metadata_server=metadata_server,
-                protocol=protocol, rdma_devices=rdma_devices))
+                protocol=protocol, rdma_devices=rdma_devices).named_apart())
         except KVMoveError as e:
             raise StoreError(f"no transfer engine for replica reads: {e}") from e
         self._lock = threading.Lock()

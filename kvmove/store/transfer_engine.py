@@ -18,14 +18,21 @@ reads of a live replica (:mod:`kvmove.store.replica_reader`).
 
 Under ``P2PHANDSHAKE`` the engine listens on every interface (``0.0.0.0`` and ``[::]``),
 whatever host name it is given, on two ports of ``MC_MIN_RPC_PORT..MC_MAX_RPC_PORT``
-(15000-17000 by default); a peer names it ``host:rpc_port``.
+(15000-17000 by default); a peer names it ``host:rpc_port``. With a metadata server an
+engine's name is its key there, and a second engine of the same name is refused (HTTP
+metadata server: "Duplicate rpc_meta key"): every engine kvmove makes beside others (a
+sender's, one per receiver; a receiver's; the store's replica reader, beside the store's
+own client) takes a name of its own, ``host:port`` with a free port
+(:meth:`TransportSettings.named_apart`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,6 +96,24 @@ class TransportSettings:
         if name.startswith("["):
             return name[: name.index("]") + 1]
         return name.partition(":")[0]
+
+    @property
+    def has_port(self) -> bool:
+        """Whether ``local_hostname`` names a port (``host:port``, ``[IPv6]:port``)."""
+        return len(self.local_hostname) > len(self.host)
+
+    def named_apart(self) -> TransportSettings:
+        """These settings for one more engine in this process: the same under
+        ``P2PHANDSHAKE`` (each engine gets its own port there); with a metadata server, the
+        host with a free port of its own, so that its name (its key in the metadata server)
+        is its own."""
+        if self.p2p:
+            return self
+        family = socket.AF_INET6 if self.host.startswith("[") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return dataclasses.replace(self, local_hostname=f"{self.host}:{port}")
 
 
 @contextlib.contextmanager
