@@ -21,7 +21,10 @@ Both sides must be host memory whose units are one contiguous block per layer
 
 A split copy runs its first part on the calling thread and queues the others for helper
 threads (started on first use, as many as torch has threads, less one); the caller then
-runs any part no helper has started, so a call never waits behind another call's work.
+runs any part no helper has started, so a call never waits behind another call's work, and
+returns (or raises a part's error) only once every part has ended. Only copies between
+pools apart are split (two pools over the same tensors copy on one thread: numpy reads an
+overlapping source first within one call only).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def take_into_run(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
     units shared out over ``threads`` threads. ``src_units`` must be in range (it is not
     checked again: ``clip`` mode writes ``out`` directly, where ``raise`` mode would copy
     through a buffer)."""
+    threads = threads if threads < 2 or _apart(src, dst) else 1
+
     def copy(a: int, b: int) -> None:
         units = src_units[a:b]
         for i in layers:
@@ -92,6 +97,8 @@ def put_units(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
     run of units at ``src_start`` or from ``src_units`` (when ``src_start`` is None), the
     units shared out over ``threads`` threads. Every destination unit is written once
     (distinct ``dst_units``); numpy reads a source that overlaps the destination first."""
+    threads = threads if threads < 2 or _apart(src, dst) else 1
+
     def copy(a: int, b: int) -> None:
         to = dst_units[a:b]
         if src_start is not None:
@@ -105,21 +112,38 @@ def put_units(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
     _run_split(copy, len(dst_units), threads)
 
 
+def _apart(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...]) -> bool:
+    """Whether no byte of ``dst``'s layers lies in a span of ``src``'s (two pools over the
+    same tensors overlap): numpy reads an overlapping source before it writes within one
+    call, never across the parts of a split copy, so only a copy between pools apart is
+    split."""
+    spans = sorted([(a.ctypes.data, a.ctypes.data + a.nbytes, 0) for a in src]
+                   + [(a.ctypes.data, a.ctypes.data + a.nbytes, 1) for a in dst])
+    reach = [0, 0]  # the furthest end of each side's spans so far
+    for start, end, side in spans:
+        if start < reach[1 - side]:
+            return False
+        reach[side] = max(reach[side], end)
+    return True
+
+
 def _run_split(copy: Callable[[int, int], None], count: int, threads: int) -> None:
     """``copy(a, b)`` over ``0 .. count`` in ``threads`` even ranges: the first here, the
-    others queued for helpers and run here where no helper has started one."""
+    others queued for helpers and run here where no helper has started one. Returns, or
+    raises the first part's error, once every part has ended: no part writes after."""
     parts = min(count, threads)
     if parts <= 1:
         copy(0, count)
         return
     edges = [count * k // parts for k in range(parts + 1)]
-    queued = [_Part(copy, edges[k], edges[k + 1]) for k in range(1, parts)]
-    _helpers.hand_out(queued, threads - 1)
-    copy(edges[0], edges[1])
-    for part in queued:
-        part.run()  # not started by a helper yet: here
-    for part in queued:
-        part.finish()
+    split = [_Part(copy, edges[k], edges[k + 1]) for k in range(parts)]
+    _helpers.hand_out(split[1:], threads - 1)
+    for part in split:
+        part.run()  # this thread's part, then any no helper has started
+    errors = [part.wait() for part in split]
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
 
 
 class _Part:
@@ -138,15 +162,15 @@ class _Part:
             return  # another thread has it
         try:
             self._copy(*self._args)
-        except BaseException as e:  # raised on the calling thread by finish()
+        except BaseException as e:  # raised on the calling thread (_run_split)
             self._error = e
         finally:
             self._done.set()
 
-    def finish(self) -> None:
+    def wait(self) -> BaseException | None:
+        """Wait until the part has ended; what it raised, or None."""
         self._done.wait()
-        if self._error is not None:
-            raise self._error
+        return self._error
 
 
 class _Helpers:
@@ -163,15 +187,23 @@ class _Helpers:
         self._count = 0
 
     def hand_out(self, parts: list[_Part], helpers: int) -> None:
-        """Queue ``parts`` for helper threads, starting up to ``helpers`` of them."""
+        """Queue ``parts`` for helper threads, starting up to ``helpers`` of them. Where no
+        helper runs (none could be started: at interpreter shutdown, out of threads) nothing
+        is queued: the caller runs every part."""
         if self._count < helpers:
             with self._lock:
                 while self._count < helpers:
+                    thread = threading.Thread(target=self._serve, args=(self._queue,),
+                                              daemon=True,
+                                              name=f"kvmove-host-copy-{self._count + 1}")
+                    try:
+                        thread.start()
+                    except RuntimeError:
+                        break
                     self._count += 1
-                    threading.Thread(target=self._serve, args=(self._queue,), daemon=True,
-                                     name=f"kvmove-host-copy-{self._count}").start()
-        for part in parts:
-            self._queue.put(part)
+        if self._count:
+            for part in parts:
+                self._queue.put(part)
 
     @staticmethod
     def _serve(work: queue.SimpleQueue) -> None:

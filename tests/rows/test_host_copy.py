@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from unittest import mock
 
 import numpy as np
@@ -123,6 +124,27 @@ def test_a_copy_inside_one_pool_reads_every_row_before_it_writes(threads):
             assert torch.equal(kv.layer(name, layer), want), (name, layer)
 
 
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_pools_over_the_same_tensors_read_every_row_before_it_is_written(direction):
+    """Two caches over the same tensors are two pools (no ``check_disjoint``), and a copy
+    between them may overlap itself: a split copy's parts would read rows another part
+    writes, so such a copy runs on one thread and every destination gets its source row as
+    it was before the call."""
+    base = [torch.randint(0, 256, (96, 1, 656), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    a, b = kvmove.KVCache({"kv": base}), kvmove.KVCache({"kv": base})
+    run, scattered = torch.arange(20, 60), torch.arange(20, 60).flip(0)
+    src, dst = (scattered, run) if direction == "gather" else (run, scattered)
+    want = []
+    for t in base:
+        w = t.clone()
+        w[dst] = t[src]
+        want.append(w)
+    with forced(3):
+        kvmove.copy_rows(a, src, b, dst, backend="torch")
+    assert all(torch.equal(t, w) for t, w in zip(base, want, strict=True))
+
+
 def test_a_split_copy_runs_every_part_once_on_helpers_and_the_caller():
     seen, lock = [], threading.Lock()
 
@@ -144,17 +166,38 @@ def test_a_split_copy_finishes_where_no_helper_runs():
     assert seen == [(0, 3), (3, 6), (6, 9)]
 
 
-def test_a_parts_error_is_raised_on_the_caller_after_every_part_ran():
-    seen = []
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_parts_error_is_raised_on_the_caller_once_every_part_has_ended(failing):
+    """Whichever part raises (the caller's own, or one a helper runs), the call raises only
+    after the other parts ended: none writes after the caller got the error."""
+    ended = []
 
     def copy(a: int, b: int) -> None:
-        seen.append(a)
-        if a:
+        if a // 3 == failing:
             raise ValueError(f"part at {a}")
+        time.sleep(0.2)  # a slow part, still writing when the failing one raised
+        ended.append(a)
 
     with pytest.raises(ValueError, match="part at"):
-        host_copy._run_split(copy, 4, 2)
-    assert sorted(seen) == [0, 2]
+        host_copy._run_split(copy, 9, 3)
+    assert sorted(ended) == [a for a in (0, 3, 6) if a // 3 != failing]
+
+
+def test_a_copy_that_can_start_no_helper_runs_every_part_and_queues_none(monkeypatch):
+    """A helper thread that cannot start (at interpreter shutdown on Python 3.12+, out of
+    threads) leaves every part to the caller, and nothing waits in a queue no one reads."""
+    helpers = host_copy._Helpers()
+    monkeypatch.setattr(host_copy, "_helpers", helpers)
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    for _ in range(3):
+        seen = []
+        host_copy._run_split(lambda a, b, seen=seen: seen.append((a, b)), 6, 3)
+        assert seen == [(0, 2), (2, 4), (4, 6)]
+    assert helpers._queue.empty()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
