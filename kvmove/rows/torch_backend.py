@@ -153,8 +153,6 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     d3 = dst.stacked_units(layers, unit, wide) if stack else None
     s3 = src.stacked_units(layers, unit, wide) if d3 is not None else None
     threads = threads_for(layer_bytes, len(layers)) if s3 is None else 0
-    if not direct:  # inside one pool every part reads before any writes: one thread
-        threads = min(threads, 1)
     arrays = host_arrays(src, dst, unit) if threads else None
     if arrays is not None:  # numpy: a memcpy per unit
         put_units(*arrays, layers, None if s0 is not None else part.src, s0, part.dst,
