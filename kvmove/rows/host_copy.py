@@ -64,10 +64,8 @@ def threads_for(layer_bytes: int, layers: int) -> int:
 
 def host_arrays(src: BufferRows, dst: BufferRows, unit: int
                 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None:
-    """Both sides' per-layer unit arrays where both are in host memory and contiguous per
-    layer, else None."""
-    if not (src.on_host and dst.on_host):
-        return None
+    """Both sides' per-layer unit arrays (:meth:`BufferRows.unit_arrays`: host memory,
+    contiguous per layer), or None where either side has none."""
     src_arrays = src.unit_arrays(unit)
     dst_arrays = dst.unit_arrays(unit) if src_arrays is not None else None
     return None if dst_arrays is None else (src_arrays, dst_arrays)
