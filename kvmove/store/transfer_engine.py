@@ -32,13 +32,13 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvmove.errors import KVMoveError
 from kvmove.store.config import ENV_VARS, TRANSPORT_FIELDS, StoreConfig, check_transport
+from kvmove.store.embedded_master import free_ports
 from kvmove.store.native_log import native_stderr_captured
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,7 @@ class TransportSettings:
         is its own."""
         if self.p2p:
             return self
-        family = socket.AF_INET6 if self.host.startswith("[") else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
+        port = free_ports("", 1)[0]  # free on every interface, whichever the host names
         return dataclasses.replace(self, local_hostname=f"{self.host}:{port}")
 
 
