@@ -123,10 +123,10 @@ def primitive_units(w: Workload, case: Case) -> Method:
     if arrays is not None:  # numpy, as the backend copies host units of this size
         (kv_units, st_units), layers, at = arrays, tuple(range(case.layers)), units.numpy()
         if case.direction == "gather":
-            return (lambda: take_into_run(kv_units, st_units, layers, at, 0, threads),
-                    case.nbytes)
-        return (lambda: put_units(st_units, kv_units, layers, None, 0, at, threads),
-                case.nbytes)
+            return (lambda: take_into_run(kv_units, st_units, layers, at, 0, threads,
+                                          apart=kv_rows.apart_from(st_rows)), case.nbytes)
+        return (lambda: put_units(st_units, kv_units, layers, None, 0, at, threads,
+                                  apart=st_rows.apart_from(kv_rows)), case.nbytes)
     pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
     if case.direction == "gather":
         if n * unit_bytes > SERIAL_SELECT_MAX_BYTES:  # in bytes: even chunks over threads

@@ -68,6 +68,30 @@ class BufferRows:
             raise ValueError(f"buffer {self.name!r} lives on {self.device}, not on the host")
         return tuple(t.data_ptr() for t in self.layers)
 
+    @functools.cached_property
+    def host_extents(self) -> tuple[tuple[int, int], ...]:
+        """Per layer, the host addresses ``(first byte, end)`` its rows span (a buffer in
+        host memory)."""
+        span = (self.num_rows - 1) * self.pitch + self.row_bytes if self.num_rows else 0
+        return tuple((base, base + span) for base in self.host_bases)
+
+    def apart_from(self, other: BufferRows) -> bool:
+        """Whether no byte of ``other``'s layers lies in a span of this buffer's (two pools
+        over the same tensors overlap; host memory; cached, by ``other``'s addresses)."""
+        key = ("apart", other.host_extents)
+        apart = self._tables.get(key)
+        if apart is None:
+            spans = sorted([(a, b, 0) for a, b in self.host_extents]
+                           + [(a, b, 1) for a, b in other.host_extents])
+            reach, apart = [0, 0], True  # the furthest end of each side's spans so far
+            for start, end, side in spans:
+                if start < reach[1 - side]:
+                    apart = False
+                    break
+                reach[side] = max(reach[side], end)
+            self._tables[key] = apart
+        return apart
+
     def address_table(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """int64 tensor of the device addresses of ``layers``, on ``device`` (cached)."""
         key = (layers, str(device))

@@ -73,12 +73,13 @@ def host_arrays(src: BufferRows, dst: BufferRows, unit: int
 
 def take_into_run(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
                   layers: tuple[int, ...], src_units: np.ndarray, start: int,
-                  threads: int = 1) -> None:
+                  threads: int = 1, *, apart: bool) -> None:
     """``dst[l][start + i] = src[l][src_units[i]]`` in each layer ``l`` of ``layers``, the
-    units shared out over ``threads`` threads. ``src_units`` must be in range (it is not
-    checked again: ``clip`` mode writes ``out`` directly, where ``raise`` mode would copy
-    through a buffer)."""
-    threads = threads if threads < 2 or _apart(src, dst) else 1
+    units shared out over ``threads`` threads where the two pools are ``apart``
+    (:meth:`BufferRows.apart_from`; else on this thread). ``src_units`` must be in range
+    (it is not checked again: ``clip`` mode writes ``out`` directly, where ``raise`` mode
+    would copy through a buffer)."""
+    threads = threads if apart else 1
 
     def copy(a: int, b: int) -> None:
         units = src_units[a:b]
@@ -90,12 +91,14 @@ def take_into_run(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
 
 def put_units(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
               layers: tuple[int, ...], src_units: np.ndarray | None, src_start: int | None,
-              dst_units: np.ndarray, threads: int = 1) -> None:
+              dst_units: np.ndarray, threads: int = 1, *, apart: bool) -> None:
     """``dst[l][dst_units[i]] = src[l][...]`` in each layer ``l`` of ``layers``, from the
     run of units at ``src_start`` or from ``src_units`` (when ``src_start`` is None), the
-    units shared out over ``threads`` threads. Every destination unit is written once
-    (distinct ``dst_units``); numpy reads a source that overlaps the destination first."""
-    threads = threads if threads < 2 or _apart(src, dst) else 1
+    units shared out over ``threads`` threads where the two pools are ``apart``
+    (:meth:`BufferRows.apart_from`; else on this thread). Every destination unit is written
+    once (distinct ``dst_units``); numpy reads a source that overlaps the destination
+    first, within one call: never across the parts of a split copy."""
+    threads = threads if apart else 1
 
     def copy(a: int, b: int) -> None:
         to = dst_units[a:b]
@@ -108,21 +111,6 @@ def put_units(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
                 dst[i][to] = src[i][taken]
 
     _run_split(copy, len(dst_units), threads)
-
-
-def _apart(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...]) -> bool:
-    """Whether no byte of ``dst``'s layers lies in a span of ``src``'s (two pools over the
-    same tensors overlap): numpy reads an overlapping source before it writes within one
-    call, never across the parts of a split copy, so only a copy between pools apart is
-    split."""
-    spans = sorted([(a.ctypes.data, a.ctypes.data + a.nbytes, 0) for a in src]
-                   + [(a.ctypes.data, a.ctypes.data + a.nbytes, 1) for a in dst])
-    reach = [0, 0]  # the furthest end of each side's spans so far
-    for start, end, side in spans:
-        if start < reach[1 - side]:
-            return False
-        reach[side] = max(reach[side], end)
-    return True
 
 
 def _run_split(copy: Callable[[int, int], None], count: int, threads: int) -> None:

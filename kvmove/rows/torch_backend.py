@@ -135,7 +135,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
         threads = threads_for(layer_bytes, len(layers))
         arrays = host_arrays(src, dst, unit) if threads else None
         if arrays is not None:  # numpy: a memcpy per unit
-            take_into_run(*arrays, layers, part.src, d0, threads)
+            take_into_run(*arrays, layers, part.src, d0, threads,
+                          apart=threads < 2 or src.apart_from(dst))
             return
     s_idx = part.tensor("src", src.device)
     if d0 is not None:
@@ -156,7 +157,7 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     arrays = host_arrays(src, dst, unit) if threads else None
     if arrays is not None:  # numpy: a memcpy per unit
         put_units(*arrays, layers, None if s0 is not None else part.src, s0, part.dst,
-                  threads)
+                  threads, apart=threads < 2 or src.apart_from(dst))
         return
     # Element-wise: in the widest element type both sides allow.
     d_idx = part.tensor("dst", dst.device)

@@ -145,6 +145,28 @@ def test_pools_over_the_same_tensors_read_every_row_before_it_is_written(directi
     assert all(torch.equal(t, w) for t, w in zip(base, want, strict=True))
 
 
+def test_buffers_are_apart_only_where_no_layer_touches_another_sides_layer():
+    """``BufferRows.apart_from`` (the split copy's guard) compares the layers' address
+    spans: pools over the same tensors, or one whose layer starts inside another's last
+    row, are not apart; separate tensors, or neighbours that only touch, are. The answer
+    is the same both ways, and a second ask (cached) too."""
+    def rows(*layers):
+        return kvmove.KVCache({"kv": list(layers)}).row_pool.buffers["kv"]
+
+    mem = torch.zeros(4, 64, 132, dtype=torch.uint8)
+    a, b = rows(mem[0], mem[1]), rows(mem[2], mem[3])
+    cases = [
+        (a, rows(mem[0], mem[1]), False),  # the same tensors
+        (a, b, True),  # neighbours in one storage
+        (a, rows(mem[1], mem[2]), False),  # one layer shared
+        (a, rows(mem.view(-1)[132 * 64 - 1:][:64 * 132].view(64, 132)), False),  # 1 byte in
+        (a, rows(torch.zeros(64, 132, dtype=torch.uint8)), True),  # another allocation
+    ]
+    for x, y, want in cases:
+        for _ in range(2):
+            assert x.apart_from(y) is want and y.apart_from(x) is want
+
+
 def test_a_split_copy_runs_every_part_once_on_helpers_and_the_caller():
     seen, lock = [], threading.Lock()
 
