@@ -536,7 +536,7 @@ class KVMover:
     def _count(self, result: TransferResult, *, put: bool) -> None:
         with self._lock:
             s = self._stats
-            ok = sum(st is Status.OK for st in result.statuses)
+            ok = result.statuses.count(Status.OK)
             if put:
                 s.evicts += 1
                 s.pages_put += ok
@@ -549,8 +549,11 @@ class KVMover:
                 s.bytes_got += result.nbytes
                 s.get_s += result.times.get
                 s.scatter_s += result.times.scatter
-            for st, k in Counter(result.statuses).items():
-                s.statuses[st] += k
+            if ok == len(result.statuses):  # the usual case, without a pass per key
+                s.statuses[Status.OK] += ok
+            else:
+                for st, k in Counter(result.statuses).items():
+                    s.statuses[st] += k
 
     # -- background jobs ------------------------------------------------------------------
     def _put_job(self, piece: Call, slots: torch.Tensor, gathered, gather_s: float
@@ -793,8 +796,11 @@ class KVMover:
         t0 = time.perf_counter()
         got, got_codes, _, late_stored = self._store_call(self.store.put, desc)
         times = StageTimes(put=time.perf_counter() - t0)
-        for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
-            statuses[i], codes[i] = st, code
+        if len(got) == n:  # every key was put
+            statuses, codes = got, got_codes
+        else:
+            for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
+                statuses[i], codes[i] = st, code
         if late_stored is not None:
             self._forget_when_done(late_stored, [k for k, c in zip(desc.keys, got_codes,
                                                                    strict=True)
@@ -929,6 +935,6 @@ def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None
 
 
 def _ok_bytes(desc: Descriptors, statuses: list[Status]) -> int:
-    if all(s is Status.OK for s in statuses):  # the common case, without a pass per key
+    if statuses.count(Status.OK) == len(statuses):  # the common case: one pass, in C
         return desc.total_bytes
     return sum(desc.nbytes(i) for i, s in enumerate(statuses) if s is Status.OK)
