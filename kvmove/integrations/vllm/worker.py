@@ -151,15 +151,12 @@ class WorkerSide:
             for h, b, pos in zip(t.keys, t.block_ids, t.positions(), strict=True):
                 if self.plan.saves_block(self.tp_rank, pos):
                     first_block.setdefault(self.key_prefix + h, b)
-        # Saves start at a request's first block (see SchedulerSide): put only what the
-        # store lacks, as vLLM's connector does (a key the master did not answer for is put;
-        # the put asks again).
-        present = self.store.exists(list(first_block))
-        for key, found in zip(list(first_block), present, strict=True):
-            if found:
-                del first_block[key]
         if not first_block:
             return
+        # Saves start at a request's first block (see SchedulerSide). The mover's put asks
+        # the master which keys it holds and sends only the others (they end EXISTS), as
+        # vLLM's connector does, in the put's one bounded call (on a GPU, in the
+        # background): no query of its own on the engine's thread first.
         keys, block_ids = list(first_block), list(first_block.values())
         pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
         try:

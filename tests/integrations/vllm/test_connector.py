@@ -173,7 +173,9 @@ def test_a_resumed_request_loads_its_store_hit():
     with worker_side(plan, dst) as w:
         assert load(w, resumed) == set()
         w.save(after)
-        assert w.mover.stats().evicts == 0  # the store holds every key: nothing is put
+        w._reap_saves(wait=True)
+        stats = w.mover.stats()  # the store holds every key: nothing is sent
+        assert stats.pages_put == 0 and stats.statuses[kvmove.Status.EXISTS] == 3
     assert [block_bytes(dst, b) for b in (3, 2, 1)] == [block_bytes(src, b) for b in (7, 8, 9)]
 
 
@@ -181,7 +183,7 @@ def test_blocks_from_vllms_own_prefix_cache_are_saved_when_the_store_lacks_them(
     """A request whose first blocks vLLM's local prefix cache supplied (computed tokens, no
     store hit) schedules its full blocks from block 0, as vLLM's connector does; the worker
     puts those the store lacks (a prefix block that left the store is stored again), and
-    skips the others."""
+    sends none of the others (``EXISTS``; the stored object stays)."""
     plan = plan_for()
     hashes = block_hashes("local-prefix", 3)
     keys = [h.hex() for h in hashes]
@@ -203,7 +205,7 @@ def test_blocks_from_vllms_own_prefix_cache_are_saved_when_the_store_lacks_them(
         w._reap_saves(wait=True)
         stats = w.mover.stats()
         assert stats.pages_put == 2  # blocks 0 and 2; block 1 was there ...
-        assert stats.statuses[kvmove.Status.EXISTS] == 0  # ... and was not sent
+        assert stats.statuses[kvmove.Status.EXISTS] == 1  # ... and was not sent
     dst = caches(seed=4, zero=True)
     with worker_side(plan, dst) as w:
         assert load(w, KVMoveConnectorMetadata(loads=[BlockTransfer("d", keys, [0, 1, 2])])) \
