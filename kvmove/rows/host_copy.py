@@ -8,7 +8,8 @@ Which is faster depends on how torch's OpenMP threads wait between parallel regi
 (measured on 2 vCPUs, 8 layers, 132-16384-byte units, against the torch calls the backend
 made before):
 
-- threads that sleep (``OMP_WAIT_POLICY=passive``): every parallel region wakes them.
+- threads that sleep (``OMP_WAIT_POLICY=passive``, or a zero ``GOMP_SPINCOUNT`` /
+  ``KMP_BLOCKTIME``: :func:`threads_sleep`): every parallel region wakes them.
   Numpy on the calling thread takes 0.1-0.7x torch's time up to about 1 MiB a layer, and
   split over as many threads as torch uses (:data:`SPLIT_MIN_BYTES` and up), 0.6-0.85x at
   1-4 MiB a layer and 0.95x at 16 MiB (memory-bound);
@@ -49,8 +50,22 @@ SPLIT_MIN_BYTES = 1 << 20
 
 @functools.cache
 def _threads_sleep() -> bool:
-    """Whether OpenMP threads wait passively (libgomp reads the variable once, at load)."""
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    """Whether torch's OpenMP threads sleep as soon as a parallel region ends (the runtime
+    reads its variables once, at load): :func:`threads_sleep` of this environment."""
+    return threads_sleep(os.environ)
+
+
+def threads_sleep(environ) -> bool:
+    """Whether an OpenMP runtime started under ``environ`` lets its threads sleep at once:
+    the runtime's own spin setting where it is set (libgomp's ``GOMP_SPINCOUNT``, LLVM and
+    Intel OpenMP's ``KMP_BLOCKTIME``: zero), else ``OMP_WAIT_POLICY=passive`` (libgomp
+    spins about 3 ms first when no policy is given)."""
+    for name in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        value = environ.get(name, "").strip()
+        if value:
+            digits = value[:len(value) - len(value.lstrip("0123456789"))]
+            return digits != "" and int(digits) == 0
+    return environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 
 def threads_for(layer_bytes: int, layers: int) -> int:

@@ -167,6 +167,26 @@ def test_buffers_are_apart_only_where_no_layer_touches_another_sides_layer():
             assert x.apart_from(y) is want and y.apart_from(x) is want
 
 
+@pytest.mark.parametrize(("environ", "sleep"), [
+    ({}, False),  # libgomp's default: spin about 3 ms first
+    ({"OMP_WAIT_POLICY": " Passive "}, True),
+    ({"OMP_WAIT_POLICY": "active"}, False),
+    ({"GOMP_SPINCOUNT": "0"}, True),
+    ({"GOMP_SPINCOUNT": "0k"}, True),
+    ({"GOMP_SPINCOUNT": "300000"}, False),
+    ({"GOMP_SPINCOUNT": "INFINITY"}, False),
+    # the runtime's own setting wins over the policy (libgomp reads the policy only
+    # where GOMP_SPINCOUNT is not set)
+    ({"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "0"}, True),
+    ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "INFINITY"}, False),
+    ({"KMP_BLOCKTIME": "0"}, True),
+    ({"KMP_BLOCKTIME": "0ms"}, True),
+    ({"KMP_BLOCKTIME": "200ms"}, False),
+])
+def test_threads_sleep_where_the_openmp_runtime_is_told_not_to_spin(environ, sleep):
+    assert host_copy.threads_sleep(environ) is sleep
+
+
 def test_a_split_copy_runs_every_part_once_on_helpers_and_the_caller():
     seen, lock = [], threading.Lock()
 
