@@ -308,38 +308,6 @@ def _stored_late(late_puts: list[tuple[list[str], Future]], after: Future | None
     return stored
 
 
-class _PutMissing:
-    """``batch_is_exist``, then ``batch_put_from_multi_buffers`` of the keys the master does
-    not hold, as one call (:meth:`MooncakeStore.put` with ``detect_exists``): per key the
-    put's code, ``OBJECT_ALREADY_EXISTS`` for a key stored already, or the exists query's
-    answers where they stop the put (the master unreachable). Named as the put it is, a
-    data call; ``__self__`` is the client, as on a bound method."""
-
-    __name__ = "batch_put_from_multi_buffers"
-
-    def __init__(self, client):
-        self.__self__ = client
-
-    def __call__(self, keys: list[str], ptrs, sizes, replicate) -> list[int]:
-        client = self.__self__
-        flags = client.batch_is_exist(keys)
-        if len(flags) != len(keys) or _unreachable(flags):
-            return list(flags)
-        if 1 not in flags:  # the usual case: none stored yet
-            return list(client.batch_put_from_multi_buffers(keys, ptrs, sizes, replicate))
-        todo = [i for i, flag in enumerate(flags) if flag != 1]
-        codes = [OBJECT_ALREADY_EXISTS] * len(keys)
-        if todo:
-            put = client.batch_put_from_multi_buffers([keys[i] for i in todo],
-                                                      [ptrs[i] for i in todo],
-                                                      [sizes[i] for i in todo], replicate)
-            if len(put) != len(todo):
-                return list(put)  # the caller refuses a wrong count
-            for i, code in zip(todo, put, strict=True):
-                codes[i] = code
-        return codes
-
-
 class _Uses:
     """What a put/get tells ``_using`` at its end: the calls given up, if any."""
 
@@ -964,7 +932,8 @@ class MooncakeStore:
         way the chunks not started yet get that code untried."""
         if len(chunks) == 1:  # the usual case: one call, on this thread, nothing untried
             part = run(chunks[0])
-            return part if isinstance(part, _Codes) else _Codes(part)
+            return _Codes(part, settled([getattr(part, "late", None)]),
+                          getattr(part, "late_puts", ()))
         n = chunks[-1].stop if chunks else 0
         width = min(len(chunks), self.limits.side_by_side,
                     max(1, self.limits.inflight_spans // self.limits.call_spans))
@@ -1030,20 +999,19 @@ class MooncakeStore:
         return result
 
     def _put_chunk(self, client, part: Descriptors, detect_exists: bool) -> list[int]:
-        # With detect_exists, the exists query and the put of the keys not stored are one
-        # bounded call (one hand-off to a runner thread, not two).
-        put = _PutMissing(client) if detect_exists else client.batch_put_from_multi_buffers
-        codes = self._batch(put, part.keys, part.ptrs, part.sizes, self._replicate)
-        late = [getattr(codes, "late", None)]
-        late_puts = [] if late[0] is None else [(list(part.keys), late[0])]
-        if _stops_the_call(codes):
-            return _Codes(codes, late[0], late_puts)
-        # Once more for a lease that expired mid-transfer, and for a transfer that failed
-        # (a replica placed on a holder that died: the master may pick a live one now; a
-        # failed put leaves no object behind).
-        todo = [i for i, c in enumerate(codes) if c in (LEASE_EXPIRED, TRANSFER_FAIL)]
-        if todo:
-            sub = part.select(todo)
+        codes: list[int | None] = [None] * len(part)
+        if detect_exists:
+            flags = self._batch(client.batch_is_exist, part.keys)
+            if _stops_the_call(flags):
+                return flags
+            for i in [i for i, flag in enumerate(flags) if flag == 1]:
+                codes[i] = OBJECT_ALREADY_EXISTS
+        todo = [i for i, c in enumerate(codes) if c is None]
+        late, late_puts = [], []
+        for attempt in range(2):
+            if not todo:
+                break
+            sub = part if len(todo) == len(part) else part.select(todo)
             result = self._batch(client.batch_put_from_multi_buffers, sub.keys, sub.ptrs,
                                  sub.sizes, self._replicate)
             late.append(getattr(result, "late", None))
@@ -1051,6 +1019,11 @@ class MooncakeStore:
                 late_puts.append((list(sub.keys), late[-1]))
             for i, code in zip(todo, result, strict=True):
                 codes[i] = code
+            # Once more for a lease that expired mid-transfer, and for a transfer that failed
+            # (a replica placed on a holder that died: the master may pick a live one now;
+            # a failed put leaves no object behind).
+            todo = [i for i in todo if codes[i] in (LEASE_EXPIRED, TRANSFER_FAIL)] \
+                if attempt == 0 else []
         return _Codes(codes, settled(late), late_puts)
 
     def get(self, desc: Descriptors) -> StoreResult:

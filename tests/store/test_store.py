@@ -211,37 +211,6 @@ def test_chunking_keeps_key_order(keyspace):
         assert torch.equal(t[:, 10:20], t[:, 0:10].flip(1))
 
 
-@pytest.mark.parametrize("stored_first", [0, 3, 6])
-def test_a_put_that_detects_stored_keys_hands_off_one_call(store, keyspace, monkeypatch,
-                                                           stored_first):
-    """With ``detect_exists`` the exists query and the put of the keys not stored are one
-    bounded call (one hand-off to a runner thread per chunk, not two): keys stored before
-    are ``EXISTS`` and keep their object, the others ``OK`` with their bytes."""
-    staging = make_staging({"kv": (3, 132)}, num_slots=12, page_tokens=2, seed=41)
-    keys = keyspace(6)
-    if stored_first:
-        assert store.put(kvmove.describe(staging, range(6, 6 + stored_first),
-                                         keys[:stored_first])).all_ok
-    calls, real = [], store._bounded
-
-    def bounded(fn, *args, **kwargs):
-        calls.append(fn.__name__)
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(store, "_bounded", bounded)
-    put = store.put(kvmove.describe(staging, range(6), keys), detect_exists=True)
-    assert calls == ["batch_put_from_multi_buffers"]
-    assert list(put) == [Status.EXISTS] * stored_first + [Status.OK] * (6 - stored_first)
-    assert put.codes == [-705] * stored_first + [0] * (6 - stored_first)
-    monkeypatch.setattr(store, "_bounded", real)
-    put_bytes = staging.tensor("kv")[:, :6].clone()
-    _zero_slots(staging, list(range(6)))
-    assert store.get(kvmove.describe(staging, range(6), keys)).all_ok
-    t = staging.tensor("kv")
-    for i in range(6):  # a stored key kept the object of the first put
-        assert torch.equal(t[:, i], t[:, 6 + i] if i < stored_first else put_bytes[:, i])
-
-
 def test_result_of_wrong_length_is_an_error(store):
     # The guard around every Mooncake batch call, exercised with a plain function.
     with pytest.raises(kvmove.StoreError, match="answered 1 results for 2 keys"):

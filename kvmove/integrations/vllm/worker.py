@@ -155,8 +155,8 @@ class WorkerSide:
             return
         # Saves start at a request's first block (see SchedulerSide). The mover's put asks
         # the master which keys it holds and sends only the others (they end EXISTS), as
-        # vLLM's connector does, in the put's one bounded call (on a GPU, in the
-        # background): no query of its own on the engine's thread first.
+        # vLLM's connector does (on a GPU, in the background): no query of its own on the
+        # engine's thread first.
         keys, block_ids = list(first_block), list(first_block.values())
         pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
         try:
