@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable
 
@@ -51,20 +52,45 @@ SPLIT_MIN_BYTES = 1 << 20
 @functools.cache
 def _threads_sleep() -> bool:
     """Whether torch's OpenMP threads sleep as soon as a parallel region ends (the runtime
-    reads its variables once, at load): :func:`threads_sleep` of this environment."""
-    return threads_sleep(os.environ)
+    reads its variables once, at load): :func:`threads_sleep` of this environment, for the
+    runtime this process loaded."""
+    return threads_sleep(os.environ, _loaded_spin_variables())
 
 
-def threads_sleep(environ) -> bool:
+# Each OpenMP runtime's own spin setting: libgomp (torch's pip wheels), LLVM and Intel
+# OpenMP; and the grammar of the values it takes (a value it refuses leaves the policy to
+# decide).
+SPIN_VARIABLES = {
+    "GOMP_SPINCOUNT": re.compile(r"(\d+)\s*[kmgt]?"),
+    "KMP_BLOCKTIME": re.compile(r"(\d+)\s*(?:ms|us|s)?"),
+}
+_RUNTIME_LIBRARIES = {"GOMP_SPINCOUNT": ("libgomp",), "KMP_BLOCKTIME": ("libiomp5", "libomp")}
+
+
+def _loaded_spin_variables() -> tuple[str, ...]:
+    """The spin variables of the OpenMP runtimes mapped into this process (all of them
+    where the process's maps cannot be read)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            text = maps.read()
+    except OSError:
+        return tuple(SPIN_VARIABLES)
+    return tuple(name for name, libraries in _RUNTIME_LIBRARIES.items()
+                 if any(f"/{lib}" in text for lib in libraries))
+
+
+def threads_sleep(environ, spin_variables=tuple(SPIN_VARIABLES)) -> bool:
     """Whether an OpenMP runtime started under ``environ`` lets its threads sleep at once:
-    the runtime's own spin setting where it is set (libgomp's ``GOMP_SPINCOUNT``, LLVM and
-    Intel OpenMP's ``KMP_BLOCKTIME``: zero), else ``OMP_WAIT_POLICY=passive`` (libgomp
-    spins about 3 ms first when no policy is given)."""
-    for name in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
-        value = environ.get(name, "").strip()
-        if value:
-            digits = value[:len(value) - len(value.lstrip("0123456789"))]
-            return digits != "" and int(digits) == 0
+    its own spin setting (``spin_variables``) where set to a value it takes (zero: sleep;
+    libgomp reads ``OMP_WAIT_POLICY`` only where ``GOMP_SPINCOUNT`` is not set), else
+    ``OMP_WAIT_POLICY=passive`` (libgomp spins about 3 ms first when no policy is given)."""
+    for name in spin_variables:
+        value = environ.get(name, "").strip().lower()
+        if value in ("infinite", "infinity"):
+            return False
+        taken = SPIN_VARIABLES[name].fullmatch(value)
+        if taken is not None:
+            return int(taken.group(1)) == 0
     return environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 

@@ -176,15 +176,28 @@ def test_buffers_are_apart_only_where_no_layer_touches_another_sides_layer():
     ({"GOMP_SPINCOUNT": "300000"}, False),
     ({"GOMP_SPINCOUNT": "INFINITY"}, False),
     # the runtime's own setting wins over the policy (libgomp reads the policy only
-    # where GOMP_SPINCOUNT is not set)
+    # where GOMP_SPINCOUNT is not set) ...
     ({"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "0"}, True),
     ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "INFINITY"}, False),
+    # ... unless it refuses the value
+    ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "abc"}, True),
+    ({"GOMP_SPINCOUNT": "0x10"}, False),
+    ({"GOMP_SPINCOUNT": "0.5"}, False),
     ({"KMP_BLOCKTIME": "0"}, True),
     ({"KMP_BLOCKTIME": "0ms"}, True),
     ({"KMP_BLOCKTIME": "200ms"}, False),
 ])
 def test_threads_sleep_where_the_openmp_runtime_is_told_not_to_spin(environ, sleep):
     assert host_copy.threads_sleep(environ) is sleep
+
+
+def test_only_the_loaded_runtimes_spin_setting_counts():
+    """Another runtime's variable is not read: libgomp ignores ``KMP_BLOCKTIME``."""
+    environ = {"KMP_BLOCKTIME": "0"}
+    assert host_copy.threads_sleep(environ, ("GOMP_SPINCOUNT",)) is False
+    assert host_copy.threads_sleep(environ, ("KMP_BLOCKTIME",)) is True
+    loaded = host_copy._loaded_spin_variables()  # torch is imported: some runtime is
+    assert loaded and set(loaded) <= set(host_copy.SPIN_VARIABLES)
 
 
 def test_a_split_copy_runs_every_part_once_on_helpers_and_the_caller():
