@@ -7,12 +7,17 @@ core run leaves them out."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 import kvmove
+from kvmove.store.embedded_master import free_ports, tcp_reachable
 
 LEASE_MS = 1000  # the shared store's read lease (Mooncake's default is 10 s)
 ENGINE_STAGES = {Path(__file__).parent / "integrations" / name: name
@@ -58,3 +63,33 @@ def triton_interpreter(request, monkeypatch):
     if runs_kernel and (problem := interpreter_problem()) is not None:
         pytest.skip(problem)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def metadata_server_binary() -> str | None:
+    beside = Path(sys.executable).with_name("mooncake_http_metadata_server")
+    return str(beside) if beside.exists() else shutil.which("mooncake_http_metadata_server")
+
+
+@pytest.fixture
+def metadata_server(monkeypatch):
+    """Mooncake's own HTTP metadata server on a free loopback port, set as this test's
+    ``MOONCAKE_TE_META_DATA_SERVER`` (over TCP; processes started meanwhile inherit it)."""
+    binary = metadata_server_binary()
+    if binary is None:
+        pytest.skip("Mooncake's mooncake_http_metadata_server is not installed")
+    port = free_ports("127.0.0.1", 1)[0]
+    proc = subprocess.Popen([binary, f"--port={port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not tcp_reachable("127.0.0.1", port, 0.5):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                "the metadata server did not start"
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/metadata"
+        monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", url)
+        monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

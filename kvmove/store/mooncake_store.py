@@ -427,7 +427,10 @@ class MooncakeStore:
         self._budgets = {id(client): SpanBudget(self.limits.inflight_spans)}
         self._replace_lock = threading.Lock()
         self._segment_client = client if self.config.global_segment_size > 0 else None
-        self._probe = EndpointProbe()
+        # A replica's endpoint is its holder's address only with the peer-to-peer handshake;
+        # through a metadata server it is the holder's segment name (no port to probe).
+        self._probe = EndpointProbe() \
+            if self.config.metadata_server.upper() == "P2PHANDSHAKE" else None
         self._reader_failed_at = -1e9
         self._state = _ClientState(client, _master)
         self._client = client
@@ -1155,9 +1158,10 @@ class MooncakeStore:
             size = desc.nbytes(i)
             found = [r for r in replicas_of(listed.value.get(key)) if r.complete
                      and r.size == size]
-            # The first-listed replica is the one the get read: try the others first.
-            choice = next((r for r in found[1:] + found[:1] if self._probe.alive(r.endpoint)),
-                          None)
+            # The first-listed replica is the one the get read: try the others first (where
+            # endpoints can be probed, the first whose holder accepts connections).
+            choice = next((r for r in found[1:] + found[:1]
+                           if self._probe is None or self._probe.alive(r.endpoint)), None)
             if choice is not None and all(reader.covers(p, n) for p, n in
                                           zip(desc.ptrs[i], desc.sizes[i], strict=True)):
                 plan.setdefault(choice.endpoint, []).append((i, choice))

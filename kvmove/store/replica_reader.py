@@ -7,10 +7,12 @@ keeps listing a dead holder's replica as ``COMPLETE`` until its client TTL has p
 it does allow (measured on 0.3.13.post1):
 
 - ``batch_get_replica_desc(keys)`` lists each key's replicas with the holder's transport
-  endpoint (``host:port`` of its Transfer Engine), the object's address in the holder's
-  segment and its size; the object is contiguous there;
-- a TCP connect to a killed holder's endpoint is refused in well under a millisecond (a
-  stopped one still accepts: a stall cannot be told from a probe);
+  endpoint, the object's address in the holder's segment and its size; the object is
+  contiguous there. The endpoint is the holder's segment name: with the peer-to-peer
+  handshake the ``host:port`` its Transfer Engine listens on; through a metadata server
+  (``MOONCAKE_TE_META_DATA_SERVER``) a name the server resolves, not an address to probe;
+- a TCP connect to a killed holder's endpoint (peer-to-peer handshake) is refused in well
+  under a millisecond (a stopped one still accepts: a stall cannot be told from a probe);
 - a Transfer Engine of one's own (``mooncake.engine.TransferEngine``, peer-to-peer
   handshake) reads the live replica's bytes straight into registered memory
   (``batch_transfer_sync_read``).

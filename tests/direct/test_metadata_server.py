@@ -6,48 +6,12 @@ host) takes a name of its own, and every page lands."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import pytest
 import torch
 
 import kvmove
-from kvmove.store.embedded_master import free_ports, tcp_reachable
 from kvmove.store.transfer_engine import TransportSettings
 
 PAGE_TOKENS, PAGES, LAYERS, ROW = 4, 8, 3, 656
-
-
-def metadata_server_binary() -> str | None:
-    beside = Path(sys.executable).with_name("mooncake_http_metadata_server")
-    return str(beside) if beside.exists() else shutil.which("mooncake_http_metadata_server")
-
-
-@pytest.fixture
-def metadata_server(monkeypatch):
-    binary = metadata_server_binary()
-    if binary is None:
-        pytest.skip("Mooncake's mooncake_http_metadata_server is not installed")
-    port = free_ports("127.0.0.1", 1)[0]
-    proc = subprocess.Popen([binary, f"--port={port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not tcp_reachable("127.0.0.1", port, 0.5):
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                "the metadata server did not start"
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}/metadata"
-        monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", url)
-        monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_engines_named_apart_keep_the_host_and_differ_in_port():

@@ -8,7 +8,8 @@ its own KV cache, store client and mover; nothing mocked):
   within the master's client TTL (plus a heartbeat) the lost objects read ``MISS``;
 - with ``replicas=2``: after the same SIGKILL, every page reads back exact from its
   surviving replica in the first read after the kill (replica failover within the call);
-  the time it took is printed (``-s``) and recorded as a test property;
+  the time it took is printed (``-s``) and recorded as a test property; the same through a
+  metadata server (Mooncake's HTTP one) instead of ``P2PHANDSHAKE``;
 - 128 DSA-sized pages (61 layers x 16 tokens x 656 B) evicted by one process into two
   store-only processes and prefetched by another, all ``OK`` and exact (batches cut to
   what the TCP transport carries, with raised and with Mooncake's default queues);
@@ -241,6 +242,16 @@ def test_two_replicas_lose_no_page_when_a_holder_dies(nodes, record_property):
     record_property("seconds_to_first_exact_read", round(took, 2))
     print(f"\nreplicas=2: the first read after the kill: every page exact, "
           f"{first['seconds']:.2f} s for the call, {took:.2f} s after the kill")
+
+
+def test_two_replicas_lose_no_page_through_a_metadata_server(metadata_server, nodes):
+    """The same failover with the engines named through Mooncake's HTTP metadata server
+    (``MOONCAKE_TE_META_DATA_SERVER``) instead of ``P2PHANDSHAKE``: every store client, and
+    the reader's replica reader beside its own client, get names of their own on one host."""
+    reader, _ = kill_holder(nodes, replicas=2)
+    first = reader.call("prefetch", pages=PAGES)
+    assert_clean(first)
+    assert first["statuses"] == ["ok"] * len(PAGES), Counter(first["statuses"])
 
 
 def in_process_pair(first, second, prefix: str):
