@@ -95,7 +95,7 @@ def bench(args) -> dict:
 
     from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat
     from kvmove.integrations.vllm.layout import block_regions
-    from kvmove.integrations.vllm.worker import block_mover
+    from kvmove.integrations.vllm.worker import block_mover, block_pages
 
     n, bs = args.blocks, args.block_size
     num_blocks = 2 * n + 1
@@ -122,8 +122,6 @@ def bench(args) -> dict:
         client = store._client  # vLLM's path talks to the same Mooncake client
         store.register([(storage.data_ptr(), storage.nbytes())])
         replicate = ReplicateConfig()
-        save_pages = torch.tensor(save_ids).unsqueeze(1)
-        load_pages = torch.tensor(load_ids).unsqueeze(1)
 
         def keys(tag: str) -> list[str]:
             salt = uuid.uuid4().bytes
@@ -155,11 +153,13 @@ def bench(args) -> dict:
             thread.add_request((lambda: call(k), done))
             done.wait()
 
+        # As the connector's worker calls the mover: the pages made from the block ids on
+        # every call (vLLM's side builds its span lists on every call too).
         def kvmove_save(k):
-            assert mover.evict(k, save_pages).wait() == [kvmove.Status.OK] * n
+            assert mover.evict(k, block_pages(save_ids)).wait() == [kvmove.Status.OK] * n
 
         def kvmove_load(k, layerwise):
-            t = mover.prefetch(k, load_pages, layerwise=layerwise)
+            t = mover.prefetch(k, block_pages(load_ids), layerwise=layerwise)
             if layerwise:
                 for layer in range(args.layers):
                     t.wait_layer(layer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 import kvmove
@@ -32,6 +33,13 @@ def block_mover(views: list[torch.Tensor], store, *, staging_slots: int,
     return kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
                           staging_slots=staging_slots, raw_keys=True, path=path,
                           prefetch_into_free_rows=True)
+
+
+def block_pages(block_ids: list[int]) -> torch.Tensor:
+    """vLLM block ids as the mover's one-token pages: int64 ``[n, 1]``. Made through numpy:
+    ``torch.tensor`` of a list costs about twice as much per step (measured cold, as after
+    a step's transfer: ~150 µs against ~75 µs for 256 blocks)."""
+    return torch.from_numpy(np.array(block_ids, dtype=np.int64).reshape(-1, 1))
 
 
 def unique_rounds(keys: list[str]) -> list[list[int]]:
@@ -96,7 +104,7 @@ class WorkerSide:
         loads = []
         for positions in unique_rounds(keys):
             ids = [block_ids[i] for i in positions]
-            pages = torch.tensor(ids, dtype=torch.int64).unsqueeze(1)
+            pages = block_pages(ids)
             # More blocks than staging slots run in staging-sized pieces inside the mover.
             transfer = self.mover.prefetch([keys[i] for i in positions], pages,
                                            layerwise=self.plan.layerwise)
@@ -158,7 +166,7 @@ class WorkerSide:
         # vLLM's connector does (on a GPU, in the background): no query of its own on the
         # engine's thread first.
         keys, block_ids = list(first_block), list(first_block.values())
-        pages = torch.tensor(block_ids, dtype=torch.int64).unsqueeze(1)
+        pages = block_pages(block_ids)
         try:
             transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
         except kvmove.StagingFull as e:  # a save missed costs a recompute, never the step

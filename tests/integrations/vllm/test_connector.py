@@ -19,7 +19,7 @@ from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat
 from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
 from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.scheduler import SchedulerSide
-from kvmove.integrations.vllm.worker import WorkerSide, unique_rounds
+from kvmove.integrations.vllm.worker import WorkerSide, block_pages, unique_rounds
 from tests.integrations.vllm.caches import vllm_layer_caches
 from tests.support.tenants import multi_tenant_store
 
@@ -368,6 +368,15 @@ def test_a_tenants_blocks_are_its_own(tmp_path, monkeypatch):
             sched.close()
     finally:
         default.close()
+
+
+@pytest.mark.parametrize("ids", [[], [7], [511, 3, 0, 42]])
+def test_block_pages_are_the_block_ids_as_one_token_pages(ids):
+    pages = block_pages(ids)
+    assert pages.dtype == torch.int64 and tuple(pages.shape) == (len(ids), 1)
+    assert pages.reshape(-1).tolist() == ids
+    ids.append(99)  # the caller's list is not the tensor's memory
+    assert pages.shape[0] == len(ids) - 1
 
 
 def test_unique_rounds_split_repeated_keys():
