@@ -93,12 +93,6 @@ class EndpointProbe:
                      endpoint)
         return alive
 
-    def dead_recently(self, within: float) -> bool:
-        """Whether some endpoint was found dead in the last ``within`` seconds."""
-        now = time.monotonic()
-        with self._lock:
-            return any(not alive and now - t < within for t, alive in self._seen.values())
-
 
 class ReplicaReader:
     """A Transfer Engine of the store's own (:class:`kvmove.store.transfer_engine.Engine`)
