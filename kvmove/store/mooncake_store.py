@@ -427,10 +427,7 @@ class MooncakeStore:
         self._budgets = {id(client): SpanBudget(self.limits.inflight_spans)}
         self._replace_lock = threading.Lock()
         self._segment_client = client if self.config.global_segment_size > 0 else None
-        # A replica's endpoint is its holder's address only with the peer-to-peer handshake;
-        # through a metadata server it is the holder's segment name (no port to probe).
-        self._probe = EndpointProbe() \
-            if self.config.metadata_server.upper() == "P2PHANDSHAKE" else None
+        self._probe = EndpointProbe()
         self._reader_failed_at = -1e9
         self._state = _ClientState(client, _master)
         self._client = client
@@ -1154,6 +1151,7 @@ class MooncakeStore:
                         len(keys), listed.error or "no answer")
             return None
         plan: dict[str, list] = {}
+        probing = reader.endpoints_are_addresses
         for i, key in zip(idx, keys, strict=True):
             size = desc.nbytes(i)
             found = [r for r in replicas_of(listed.value.get(key)) if r.complete
@@ -1161,7 +1159,7 @@ class MooncakeStore:
             # The first-listed replica is the one the get read: try the others first (where
             # endpoints can be probed, the first whose holder accepts connections).
             choice = next((r for r in found[1:] + found[:1]
-                           if self._probe is None or self._probe.alive(r.endpoint)), None)
+                           if not probing or self._probe.alive(r.endpoint)), None)
             if choice is not None and all(reader.covers(p, n) for p, n in
                                           zip(desc.ptrs[i], desc.sizes[i], strict=True)):
                 plan.setdefault(choice.endpoint, []).append((i, choice))

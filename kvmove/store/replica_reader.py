@@ -101,10 +101,14 @@ class ReplicaReader:
 
     def __init__(self, *, local_hostname: str, metadata_server: str, protocol: str,
                  rdma_devices: str):
+        settings = TransportSettings(local_hostname=local_hostname,
+                                     metadata_server=metadata_server, protocol=protocol,
+                                     rdma_devices=rdma_devices)
+        # A replica's endpoint is its holder's address (one to probe) only with the
+        # peer-to-peer handshake; through a metadata server it is a name the server resolves.
+        self.endpoints_are_addresses = settings.p2p
         try:
-            self._engine = Engine(TransportSettings(  # beside the store's own client
-                local_hostname=local_hostname, metadata_server=metadata_server,
-                protocol=protocol, rdma_devices=rdma_devices).named_apart())
+            self._engine = Engine(settings.named_apart())  # beside the store's own client
         except KVMoveError as e:
             raise StoreError(f"no transfer engine for replica reads: {e}") from e
         self._lock = threading.Lock()
