@@ -1262,9 +1262,8 @@ class MooncakeStore:
 
     @staticmethod
     def _log_outcome(op: str, keys: list[str], result: StoreResult) -> None:
-        failed = [i for i, s in enumerate(result) if s is Status.FAILED] \
-            if Status.FAILED in result else None
-        if failed:
+        if Status.FAILED in result:
+            failed = [i for i, s in enumerate(result) if s is Status.FAILED]
             names = Counter(code_name(result.codes[i]) for i in failed)
             log.warning("%s: %d of %d keys failed (%s); first %r", op, len(failed), len(keys),
                         ", ".join(f"{k} x{v}" for k, v in names.items()), keys[failed[0]])
