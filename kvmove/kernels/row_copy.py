@@ -70,9 +70,12 @@ def _copy_rows_kernel(
         src_base = tl.multiple_of(tl.load(src_table + layer).to(tl.pointer_type(WORD)), ALIGN)
         dst_base = tl.multiple_of(tl.load(dst_table + layer).to(tl.pointer_type(WORD)), ALIGN)
         # Row starts, in words, written as (rows * pitch_in_vectors) * VEC so that the
-        # compiler sees VEC-aligned offsets and emits wide accesses.
-        src_start = tl.multiple_of((tl.where(ok, s, 0) * src_pitch) * VEC, VEC)
-        dst_start = tl.multiple_of((tl.where(ok, d, 0) * dst_pitch) * VEC, VEC)
+        # compiler sees VEC-aligned offsets and emits wide accesses. A skipped or bad row's
+        # start is never dereferenced (its mask is off), so it is not clamped: a
+        # tl.where(ok, s, 0) here fed both the load and the store, and Triton 3.6's layout
+        # pass refused the kernel for 32-row steps.
+        src_start = tl.multiple_of((s * src_pitch) * VEC, VEC)
+        dst_start = tl.multiple_of((d * dst_pitch) * VEC, VEC)
         for c in range(0, row_words, BLOCK):
             cols = c + col_offs
             mask = ok[:, None] & ((cols // VEC)[None, :] < row_words // VEC)
