@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvmove.kernels.alignment import pow2_alignment
+from kvmove.memory.device_constants import device_constant
 
 RUN_VIEWS_KEPT = 32  # per buffer: runs whose per-layer views are kept
 # Element types of element-wise copies, widest first. complex128 is the only 16-byte type
@@ -93,13 +94,13 @@ class BufferRows:
         return apart
 
     def address_table(self, layers: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """int64 tensor of the device addresses of ``layers``, on ``device`` (cached)."""
+        """int64 tensor of the device addresses of ``layers``, on ``device`` (cached; made
+        without waiting for the caller's streams, readable from any stream)."""
         key = (layers, str(device))
         table = self._tables.get(key)
         if table is None:
-            table = torch.tensor(
-                [self.device_addresses[layer] for layer in layers], dtype=torch.int64
-            ).to(device)
+            table = device_constant(torch.tensor(
+                [self.device_addresses[layer] for layer in layers], dtype=torch.int64), device)
             self._tables[key] = table
         return table
 

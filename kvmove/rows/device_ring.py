@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from kvmove.memory.device_constants import device_constant
 from kvmove.memory.row_pool import BufferRows
 
 ENV_RING_BYTES = "KVMOVE_RING_BYTES"
@@ -64,9 +65,9 @@ class DeviceRing:
             device_addresses=tuple(v.data_ptr() for v in views),
         )
         # Ring row numbers 0 .. capacity - 1 where the copies read them (made once: a call
-        # uploads nothing for them). A blocking upload, not a kernel on the current stream:
+        # uploads nothing for them). Complete when made, not a kernel on the current stream:
         # the copies read them on other streams, which must not overtake their writing.
-        self._numbers = torch.arange(capacity, dtype=torch.int64).to(like.device)
+        self._numbers = device_constant(torch.arange(capacity, dtype=torch.int64), like.device)
         self._lock = threading.Lock()
         self._last_use = None  # torch.cuda.Event recorded after the previous use
 

@@ -18,6 +18,8 @@ import functools
 import numpy as np
 import torch
 
+from kvmove.rows.host_indices import to_device
+
 # Up to this many rows, a plan of whole pages is worked out in Python lists: a dozen numpy
 # calls cost more than the lists below it (measured: 0.4-0.6x at 4-16 rows, even at 64,
 # 2.5-3x at 256).
@@ -91,9 +93,7 @@ class Part:
         key = (side, device)
         t = self._tensors.get(key)
         if t is None:
-            t = torch.from_numpy(self.values(side))
-            if device.type != "cpu":
-                t = t.to(device)
+            t = to_device(torch.from_numpy(self.values(side)), device)
             self._tensors[key] = t
         return t
 

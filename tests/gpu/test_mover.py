@@ -103,12 +103,15 @@ def test_evict_and_layerwise_prefetch_never_wait_for_the_device(backend, indices
         assert w.wait(60) == [OK] * n  # the same rows back: nothing changes
         torch.cuda.synchronize()
         keys = keyspace(n)
+        # Placed before the busy spell: a test's own upload from pageable memory would wait.
+        src_in, dst_in = place(src, indices), place(dst, indices)
+        torch.cuda.synchronize()
         busy = BusyDevice()
-        t = mover.evict(keys, place(src, indices))
+        t = mover.evict(keys, src_in)
         assert busy.still_busy(), f"evict ({backend}, {indices} indices) waited for the device"
         assert t.wait(60) == [OK] * n
         busy = BusyDevice()
-        p = mover.prefetch(keys, place(dst, indices), layerwise=True)
+        p = mover.prefetch(keys, dst_in, layerwise=True)
         for layer in range(kv.max_layers):
             p.wait_layer(layer, timeout=60)
         assert busy.still_busy(), f"wait_layer ({backend}, {indices}) waited for the device"
@@ -244,6 +247,8 @@ def test_host_indices_the_engine_refills_at_once(backend, memory):
     for name in staging.buffer_names:
         assert torch.equal(staging.tensor(name)[:, slots], reference.tensor(name)[:, slots])
     other = build(BUFFERS, kv_slots, seed=12)
+    kvmove.scatter(staging, slots, other, later.clone(), backend=backend)  # warm (other rows)
+    torch.cuda.synchronize()
     buffer.copy_(pages)
     busy = BusyDevice()
     kvmove.scatter(staging, slots, other, buffer, backend=backend)
@@ -325,3 +330,33 @@ def test_kv_on_a_second_gpu_with_the_first_current():
             for layer in range(kv.num_layers(name)):
                 assert torch.equal(other.layer(name, layer)[rows], kv.layer(name, layer)[rows])
         assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "two_hop"])
+def test_the_first_copy_of_a_new_cache_never_waits_for_the_device(backend):
+    """The first gather and scatter of a cache the process has not copied before (its
+    address tables and rows are made then) return while the device still runs the work
+    queued before them, and move the right rows. Device indices, uploaded before the
+    spell; the kernel compiled by a copy of another cache first."""
+    pt, n, kv_slots = 16, 5, 1024
+    warm = build(BUFFERS, kv_slots, seed=20)
+    warm_staging = kvmove.StagingBuffer(warm, num_slots=8, page_tokens=pt)
+    pages, later = disjoint_pages(kv_slots, n, pt, seed=21)
+    slots = torch.tensor([6, 1, 3, 0, 4])
+    kvmove.gather(warm, warm_staging, pages.to(CUDA), slots, backend=backend)
+    kvmove.scatter(warm_staging, slots, warm, later.to(CUDA), backend=backend)
+    kv, other = build(BUFFERS, kv_slots, seed=22), build(BUFFERS, kv_slots, seed=23)
+    staging = kvmove.StagingBuffer(kv, num_slots=8, page_tokens=pt)
+    on_device, on_device_later = pages.to(CUDA), later.to(CUDA)
+    torch.cuda.synchronize()
+    busy = BusyDevice()
+    kvmove.gather(kv, staging, on_device, slots, backend=backend)
+    assert busy.still_busy(), f"the first gather ({backend}) waited for the device"
+    busy = BusyDevice()
+    kvmove.scatter(staging, slots, other, on_device_later, backend=backend)
+    assert busy.still_busy(), f"the first scatter ({backend}) waited for the device"
+    torch.cuda.synchronize()
+    for name in kv.buffer_names:
+        for layer in range(kv.num_layers(name)):
+            assert torch.equal(rows_of(other, name, layer, later),
+                               rows_of(kv, name, layer, pages)), f"{name} layer {layer}"

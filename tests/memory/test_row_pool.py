@@ -163,3 +163,10 @@ def test_row_pool_geometry():
     assert sp.num_rows == 8 and sp.pitch == 656 and sp.dense
     page_first = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=4, layout="page_first")
     assert not page_first.row_pool.buffers["kv"].dense  # a token's layers side by side
+
+
+def test_a_device_constant_on_the_cpu_is_the_values_themselves():
+    from kvmove.memory.device_constants import device_constant
+
+    values = torch.arange(5, dtype=torch.int64)
+    assert device_constant(values, torch.device("cpu")) is values

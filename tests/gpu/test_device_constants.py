@@ -1,0 +1,24 @@
+"""On a CUDA GPU (skipped elsewhere): a device constant is made while the caller's stream is
+busy without waiting for it, is complete when made (another stream reads it at once, with
+no ordering), and holds the values."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmove.memory.device_constants import device_constant
+from tests.gpu.common import CUDA, BusyDevice
+
+
+def test_a_constant_is_made_while_the_stream_is_busy_and_read_from_another():
+    values = torch.arange(4096, dtype=torch.int64) * 7 - 3
+    busy = BusyDevice()
+    table = device_constant(values, CUDA)
+    assert busy.still_busy(), "device_constant waited for the caller's stream"
+    other = torch.cuda.Stream()  # not ordered after the busy stream
+    with torch.cuda.stream(other):
+        copy = table.clone()
+    other.synchronize()
+    assert busy.still_busy(), "the read on another stream waited for the busy one"
+    assert torch.equal(copy.cpu(), values)
+    assert table.device.type == "cuda" and table.dtype == torch.int64
