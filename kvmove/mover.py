@@ -567,7 +567,7 @@ class KVMover:
                 gathered.synchronize()
             bad = piece.bad_on_host()
             good = np.arange(n) if bad is None else np.flatnonzero(~bad)
-            if bad is not None:
+            if good.size < n:
                 log.warning("evict: %d of %d keys have out-of-range rows; not stored",
                             n - good.size, n)
             self._zero_padding(piece, slots)
@@ -775,7 +775,7 @@ class KVMover:
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         pages, bad = self._host_pages(call, self._evict_stream)
         good = np.arange(n) if bad is None else np.flatnonzero(~bad)
-        if bad is not None:
+        if good.size < n:
             log.warning("evict: %d of %d keys have out-of-range rows; not stored",
                         n - good.size, n)
         if bad is not None:

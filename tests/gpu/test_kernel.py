@@ -174,6 +174,16 @@ def test_graph_captured_gather_and_scatter_replay_with_new_indices():
         b[a < 0] = -1
         pages.copy_(a)
         dst.copy_(b)
+        # What the scatter must leave: every row as it was, but those b names (where a
+        # names a row too: b is -1 wherever a is) hold a's rows of the cache.
+        moved = ((a >= 0) & (b >= 0)).reshape(-1)
+        rows_src, rows_dst = a.reshape(-1)[moved].to(CUDA), b.reshape(-1)[moved].to(CUDA)
+        expect = {name: [] for name in kv.buffer_names}
+        for name in kv.buffer_names:
+            for layer in range(kv.num_layers(name)):
+                want = other.layer(name, layer).clone()
+                want[rows_dst] = kv.layer(name, layer)[rows_src]
+                expect[name].append(want)
         graph.replay()
         torch.cuda.synchronize()
         ref = kvmove.StagingBuffer(kv, num_slots=cap, page_tokens=pt)
@@ -183,7 +193,6 @@ def test_graph_captured_gather_and_scatter_replay_with_new_indices():
             got = staging.tensor(name).view(kv.num_layers(name), cap * pt, -1)[:, keep]
             want = ref.tensor(name).view(kv.num_layers(name), cap * pt, -1)[:, keep]
             assert torch.equal(got, want), f"replay {seed}: gather of {name} differs"
-            rows_src, rows_dst = a.reshape(-1)[keep].to(CUDA), b.reshape(-1)[keep].to(CUDA)
             for layer in range(kv.num_layers(name)):
-                assert torch.equal(other.layer(name, layer)[rows_dst],
-                                   kv.layer(name, layer)[rows_src]), f"replay {seed}: scatter"
+                assert torch.equal(other.layer(name, layer), expect[name][layer]), \
+                    f"replay {seed}: scatter of {name} layer {layer} differs"
