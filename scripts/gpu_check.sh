@@ -7,8 +7,8 @@
 #      check tests the copy engine too.
 #   2. every GPU test (tests/gpu, the real Triton compiler, an in-memory store: none is
 #      skipped for want of Mooncake); a skipped test, a failed one or a copy-engine batch the
-#      driver refused is a failure. Tests marked multi_gpu are deselected on a one-GPU machine
-#      and the verdict says how many.
+#      driver refused is a failure. Tests marked multi_gpu are deselected on a one-GPU machine,
+#      those marked transfer_engine where Mooncake is not installed; the verdict says how many.
 #   3. tuning for this GPU (kvmove tune --quick, at most 16 programs), then
 #   4. the GPU benchmark (bench/bench_gpu.py): vs bulk pinned copies, vs one cudaMemcpyAsync
 #      per page, matmul slowdown beside gathers, copy engine vs kernel; its goals are reported
@@ -106,12 +106,27 @@ if ! "$py" -m kvmove.cli doctor --gpu-check 2>&1 | tee -a "$log"; then
 fi
 
 # -- 2. every GPU test ------------------------------------------------------------------------
-marks=()
+# Tests that cannot run here are deselected and counted in the verdict: multi-GPU tests on a
+# one-GPU machine, Transfer Engine tests (the direct path) where Mooncake is not installed.
+collected() { "$py" -m pytest -q --collect-only -p no:cacheprovider -m "$1" tests/gpu 2>/dev/null \
+  | grep -c '::' || true; }
+skip_marks=()
 deselected=0
+no_mooncake=0
 if [ "$gpus" -lt 2 ]; then
-  marks=(-m "not multi_gpu")
-  deselected=$("$py" -m pytest -q --collect-only -p no:cacheprovider -m multi_gpu tests/gpu 2>/dev/null \
-    | grep -c '::' || true)
+  skip_marks+=(multi_gpu)
+  deselected=$(collected multi_gpu)
+fi
+if ! "$py" -c 'import mooncake.engine' >/dev/null 2>&1; then
+  say "Mooncake is not installed: the Transfer Engine tests are not run"
+  skip_marks+=(transfer_engine)
+  no_mooncake=$(collected transfer_engine)
+fi
+marks=()
+if [ ${#skip_marks[@]} -gt 0 ]; then
+  expr="not ${skip_marks[0]}"
+  for m in "${skip_marks[@]:1}"; do expr+=" and not $m"; done
+  marks=(-m "$expr")
 fi
 step "GPU tests" 300 "$py" -m pytest -q -p no:cacheprovider -rs "${marks[@]}" \
   --junitxml="$out/gpu_tests.xml" tests/gpu
@@ -130,7 +145,7 @@ fi
 say "files in $out:"
 find "$out" -maxdepth 1 -type f -printf '%10s  %f\n' | sort -k2 | tee -a "$log"
 args=(--junit "$out/gpu_tests.xml" --bench "$out/bench_gpu-$gpu.json" --deselected "$deselected"
-      --seconds $((SECONDS - t0)))
+      --no-mooncake "$no_mooncake" --seconds $((SECONDS - t0)))
 for f in "${failed[@]}"; do args+=(--failed-step "$f"); done
 rc=0
 line=$("$py" -m bench.gpu_verdict "${args[@]}") || rc=$?

@@ -179,3 +179,17 @@ def test_the_verdict_fails_on_a_skip_a_refused_batch_or_a_failed_step(tmp_path):
     assert not ok and "benchmark skipped" in line
     assert gpu_verdict.read_junit(tmp_path / "missing.xml") is None
     assert gpu_verdict.verdict(None, None, [])[0] is False
+
+
+def test_the_verdict_names_the_transfer_engine_tests_it_could_not_run(tmp_path):
+    from bench import gpu_verdict
+
+    junit = tmp_path / "t.xml"
+    junit.write_text(JUNIT.format(extra=""))
+    bench = {**fake_result(), "goals": {}}
+    ok, line = gpu_verdict.verdict(gpu_verdict.read_junit(junit), bench, [], no_mooncake=3)
+    assert ok and "3 Transfer Engine test(s) not run (no Mooncake here" in line
+    ok, line = gpu_verdict.verdict(gpu_verdict.read_junit(junit), bench, [])
+    assert ok and "Transfer Engine" not in line
+    assert gpu_verdict.main(["--junit", str(junit), "--bench", str(tmp_path / "none.json"),
+                             "--no-mooncake", "2"]) == 1  # no benchmark: a failure

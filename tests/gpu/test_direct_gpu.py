@@ -13,7 +13,8 @@ import torch
 import kvmove
 from tests.support.direct_pools import LAYOUTS, apply_send, make_pool
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.transfer_engine]
 
 P = 16
 BUFFERS = {"kv": [6, 656], "idx": [3, 132]}
