@@ -96,6 +96,10 @@ def _gpu_case(case: Case, device: torch.device):
                   torch.cuda.get_device_name(device))
     launch = w.launcher(case.direction)
     calls = _kvmove_calls(w.kv, w.staging, w.token_pages, w.slots, case.direction, "triton")
+    # The same call on indices already on the GPU (an engine's own index tensors).
+    on_device = _kvmove_calls(w.kv, w.staging, w.token_pages.to(device), w.slots.to(device),
+                              case.direction, "triton")
+    calls["kvmove device"] = on_device["kvmove unchecked"]
     return calls, (lambda: launch(config)), w.close
 
 
@@ -133,6 +137,9 @@ def _record(case: Case, cache: str, t: dict[str, float]) -> dict:
         "kvmove_unchecked_us": us["kvmove unchecked"], "plain_us": us["plain"],
         "added_us": us["kvmove"] - us["plain"],
         "added_unchecked_us": us["kvmove unchecked"] - us["plain"],
+        **({"kvmove_device_us": us["kvmove device"],
+            "added_device_us": us["kvmove device"] - us["plain"]}
+           if "kvmove device" in us else {}),
     }
 
 
@@ -161,9 +168,10 @@ def run(args) -> dict:
         finally:
             if w is not None:
                 w.close()
+    tags = ("", "_unchecked", "_device") if device.type == "cuda" else ("", "_unchecked")
     added = {f"{d}{tag}": statistics.median(c[f"added{tag}_us"] for c in cases
                                             if c["direction"] == d)
-             for d in ("gather", "scatter") for tag in ("", "_unchecked")}
+             for d in ("gather", "scatter") for tag in tags}
     return {
         "device": str(device), "layers": args.layers, "row_bytes": args.row_bytes,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -178,14 +186,16 @@ def run(args) -> dict:
 def report(result: dict, console: Console) -> None:
     table = Table(title=f"one call, back to back ({result['device']}, {result['layers']} layers,"
                         f" {result['row_bytes']}-byte rows): kvmove vs {result['plain']}")
-    for col in ("direction", "cache", "page tokens", "pages", "kvmove µs", "unchecked µs",
-                "plain µs", "added µs", "added unchecked µs"):
+    keys = ["kvmove_us", "kvmove_unchecked_us", "plain_us", "added_us", "added_unchecked_us"]
+    heads = ["kvmove µs", "unchecked µs", "plain µs", "added µs", "added unchecked µs"]
+    if result["calls"] and "kvmove_device_us" in result["calls"][0]:  # a GPU run
+        keys += ["kvmove_device_us", "added_device_us"]
+        heads += ["device indices µs", "added device µs"]
+    for col in ("direction", "cache", "page tokens", "pages", *heads):
         table.add_column(col, justify="right")
     for c in result["calls"]:
         table.add_row(c["direction"], c.get("cache", "stacked"), str(c["page_tokens"]),
-                      str(c["pages"]),
-                      *(f"{c[k]:.1f}" for k in ("kvmove_us", "kvmove_unchecked_us", "plain_us",
-                                                "added_us", "added_unchecked_us")))
+                      str(c["pages"]), *(f"{c[k]:.1f}" for k in keys))
     console.print(table)
     for what, us in result["median_added_us"].items():
         console.print(f"{what.replace('_', ' ')}: kvmove adds {us:.1f} µs per call (median)")

@@ -3,7 +3,7 @@
 # versions engines run with, besides the one in .venv that the core suite uses: 3.5.1 (torch
 # 2.9, which SGLang and vLLM pin) and 3.6.0 (torch 2.11, the GPU machine's image). Each is
 # installed once, without dependencies, into .triton-versions/<version> and put ahead of
-# .venv's own on PYTHONPATH for one run of tests/kernels/test_compiles_for_gpus.py (which
+# .venv's own on PYTHONPATH for one run of tests/kernels/test_row_copy_compile.py (which
 # checks that the run sees that version). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +29,5 @@ for version in "${VERSIONS[@]}"; do
   # A private compile cache: kernels of one version are never read by another.
   TRITON_CACHE_DIR="$PWD/$dir/.cache" KVMOVE_EXPECT_TRITON=$version \
     PYTHONPATH="$PWD/$dir" .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
-    tests/kernels/test_compiles_for_gpus.py
+    tests/kernels/test_row_copy_compile.py
 done

@@ -342,11 +342,11 @@ class PageSender:
             return staged
 
     def _warm_up(self, staged: _Staged) -> None:
-        """Compile (or load) every gather kernel now: one launch that skips its only row."""
-        skip = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        """Compile (or load) every gather kernel now, on rows and on page slots: launches
+        that skip their only row (:meth:`PreparedCopy.warm_up`)."""
         with torch.cuda.stream(self._stream):
             for prepared in (staged.gather_all, *staged.gather_layer):
-                prepared.run(skip, skip, None)
+                prepared.warm_up()
         self._stream.synchronize()
 
     def _stage(self, staged: _Staged, places, pages: torch.Tensor, dst: np.ndarray,

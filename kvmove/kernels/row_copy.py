@@ -4,7 +4,10 @@ Row ``src_rows[i]`` of layer ``layers[j]`` of the source pool is copied to row
 ``dst_rows[i]`` of the same layer of the destination pool, for every ``i`` and ``j``. Each
 pool is given by a table of per-layer base addresses (layers need not be contiguous) and
 a row pitch. ``-1`` on either side skips that row; any other index outside the pool is
-never read or written but counted in a device error counter.
+never read or written but counted in a device error counter. Either side may instead be
+given by page slots of ``P`` rows (a staging buffer's pages): row ``i`` of that side is
+then ``slots[i // P] * P + i % P``, worked out in the kernel, so that a gather or scatter of
+pages launches on the caller's indices as they are, with no row list made per call.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ _WORD_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
 def _copy_rows_kernel(
     src_table,  # int64 [L]: device address of each selected layer of the source
     dst_table,  # int64 [L]: the same for the destination
-    src_rows,  # int32/int64 [n]
-    dst_rows,  # int32/int64 [n]
+    src_rows,  # int32/int64 [n], or [n / SRC_PAGE] page slots
+    dst_rows,  # int32/int64 [n], or [n / DST_PAGE] page slots
     errors,  # int32 [1]: incremented by the number of out-of-range rows
     n,
     src_limit,  # rows in the source pool
@@ -47,6 +50,8 @@ def _copy_rows_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,  # words per inner step
     COUNT_ERRORS: tl.constexpr,
+    SRC_PAGE: tl.constexpr,  # 0: src_rows holds rows; P: page slots of P rows
+    DST_PAGE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -57,10 +62,27 @@ def _copy_rows_kernel(
         block = item % num_row_blocks
         idx = block * ROWS + row_offs
         in_batch = idx < n
-        s = tl.load(src_rows + idx, mask=in_batch, other=-1).to(tl.int64)
-        d = tl.load(dst_rows + idx, mask=in_batch, other=-1).to(tl.int64)
-        bad = in_batch & ((s < -1) | (s >= src_limit) | (d < -1) | (d >= dst_limit))
-        ok = in_batch & (s >= 0) & (d >= 0) & (s < src_limit) & (d < dst_limit)
+        # Each side's row of each idx, and whether it is in range or bad (neither: a skip).
+        if SRC_PAGE == 0:
+            s = tl.load(src_rows + idx, mask=in_batch, other=-1).to(tl.int64)
+            s_ok, s_bad = (s >= 0) & (s < src_limit), (s < -1) | (s >= src_limit)
+        else:  # page slots: checked as slots, so a huge slot never wraps onto a real row
+            src_slot = tl.load(src_rows + idx // SRC_PAGE, mask=in_batch, other=-1).to(tl.int64)
+            s = src_slot * SRC_PAGE + idx % SRC_PAGE
+            src_slots = src_limit // SRC_PAGE
+            s_ok = (src_slot >= 0) & (src_slot < src_slots)
+            s_bad = (src_slot < -1) | (src_slot >= src_slots)
+        if DST_PAGE == 0:
+            d = tl.load(dst_rows + idx, mask=in_batch, other=-1).to(tl.int64)
+            d_ok, d_bad = (d >= 0) & (d < dst_limit), (d < -1) | (d >= dst_limit)
+        else:
+            dst_slot = tl.load(dst_rows + idx // DST_PAGE, mask=in_batch, other=-1).to(tl.int64)
+            d = dst_slot * DST_PAGE + idx % DST_PAGE
+            dst_slots = dst_limit // DST_PAGE
+            d_ok = (dst_slot >= 0) & (dst_slot < dst_slots)
+            d_bad = (dst_slot < -1) | (dst_slot >= dst_slots)
+        bad = in_batch & (s_bad | d_bad)
+        ok = in_batch & s_ok & d_ok
         if COUNT_ERRORS:
             # Count each bad row once: in the items of the first selected layer.
             first_layer = (row_offs * 0 + layer) == 0
@@ -124,6 +146,8 @@ def copy_rows(
     row_bytes: int,
     base_alignment: int,
     config: LaunchConfig,
+    src_page_tokens: int = 0,
+    dst_page_tokens: int = 0,
 ) -> None:
     """Launch the row copy.
 
@@ -134,16 +158,24 @@ def copy_rows(
       - ``src_rows``, ``dst_rows``: int32 or int64 ``[n]``, on that device. ``-1`` on
         either side skips the row (nothing read, nothing written). Any other index outside
         ``[0, src_limit)`` / ``[0, dst_limit)`` is skipped too and added to ``errors``.
+      - ``src_page_tokens``, ``dst_page_tokens``: ``0`` (the default) when that side's
+        tensor holds rows; ``P > 0`` when it holds ``n / P`` page slots instead, slot ``s``
+        standing for rows ``s * P .. s * P + P - 1`` (the pool's rows are whole pages).
+        ``-1`` skips the page's rows; a slot outside ``[0, limit / P)`` counts them all.
       - ``errors``: int32 ``[1]`` counter on that device, incremented by the number of such
         rows (once per row, not per layer); ``None`` counts nothing.
       - ``src_pitch``, ``dst_pitch``, ``row_bytes``: bytes; ``base_alignment``: a power of
         two dividing every address in both tables.
       - ``config``: block size, rows per step, warps and the cap on the number of programs.
     """
-    n = src_rows.numel()
+    for name, p in (("src_page_tokens", src_page_tokens), ("dst_page_tokens", dst_page_tokens)):
+        if not isinstance(p, int) or p < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {p!r}")
+    n = src_rows.numel() * max(src_page_tokens, 1)
     layers = src_table.numel()
-    if dst_rows.numel() != n:
-        raise ValueError(f"src_rows has {n} entries but dst_rows has {dst_rows.numel()}")
+    if dst_rows.numel() * max(dst_page_tokens, 1) != n:
+        raise ValueError(f"src_rows stands for {n} rows but dst_rows for "
+                         f"{dst_rows.numel() * max(dst_page_tokens, 1)}")
     if dst_table.numel() != layers:
         raise ValueError(f"src_table has {layers} layers but dst_table has {dst_table.numel()}")
     for name, t in (("src_table", src_table), ("dst_table", dst_table)):
@@ -178,5 +210,7 @@ def copy_rows(
         num_items,
         **const,
         COUNT_ERRORS=errors is not None,
+        SRC_PAGE=src_page_tokens,
+        DST_PAGE=dst_page_tokens,
         num_warps=config.num_warps,
     )

@@ -54,13 +54,15 @@ class PagePlan:
     two-hop path reads them there), and the torch backend's plan where it has one. One plan
     serves every layer set of the same two pools (a layer-wise prefetch plans once)."""
 
-    __slots__ = ("dst_rows", "host_rows", "plan", "src_rows")
+    __slots__ = ("dst_rows", "host_rows", "pages", "plan", "src_rows")
 
     def __init__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
                  plan: RowPlan | None = None,
-                 host_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 host_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 pages: tuple[int, int] = (0, 0)):
         self.src_rows, self.dst_rows, self.plan = src_rows, dst_rows, plan
         self.host_rows = host_rows
+        self.pages = pages  # per side: P where it holds slots of P-row pages (else 0)
 
 
 def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor, *,
@@ -81,6 +83,13 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
             return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan
     if check:
         check_pages(token_pages, slots, kv_rows, num_slots, gathering=gathering)
+    if prepared.direct_only:
+        # The kernel reads the pages and the slots as they are (no staging row list made
+        # per call): moved to the device once, without waiting for it.
+        kv = to_device(token_pages.reshape(-1), prepared.device)
+        staged = to_device(slots, prepared.device)
+        src, dst = (kv, staged) if gathering else (staged, kv)
+        return PagePlan(src, dst, pages=prepared.slot_pages)
     kv, staged = token_pages.reshape(-1), page_rows(slots, prepared.page_tokens)
     host = None
     if kv.device.type == staged.device.type == "cpu":
@@ -96,7 +105,8 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
 def run_pages(prepared: PreparedCopy, plan: PagePlan, errors: torch.Tensor | None) -> None:
     """Run a planned gather or scatter (unchecked: out-of-range rows are skipped and counted
     in ``errors``)."""
-    prepared.run(plan.src_rows, plan.dst_rows, errors, plan=plan.plan, host_rows=plan.host_rows)
+    prepared.run(plan.src_rows, plan.dst_rows, errors, plan=plan.plan, host_rows=plan.host_rows,
+                 pages=plan.pages)
 
 
 def copy_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor,

@@ -21,6 +21,7 @@ from kvmove.rows import two_hop
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.launch_config import preferred_backend
 from kvmove.rows.plan import RowPlan, plan_rows
+from kvmove.rows.row_numbers import page_rows
 from kvmove.rows.torch_backend import copy_rows_torch
 from kvmove.rows.triton_launch import KernelArgs, kernel_args, launch
 
@@ -118,10 +119,16 @@ class PreparedCopy:
                                       if self.gathering
                                       else (self.dst_rows_limit, self.src_rows_limit))
         self.staging_slots = staging_rows // page_tokens
+        # Every part is the direct kernel (or there is none): a gather or scatter of pages
+        # launches on the page slots as they are (the kernel works out the staging rows).
+        self.direct_only = self.backends <= {"triton"}
+        # The staging side's page tokens, in the kernel's (src, dst) order, for such launches.
+        self.slot_pages = (0, page_tokens) if self.gathering else (page_tokens, 0)
 
     def run(self, src_rows: torch.Tensor, dst_rows: torch.Tensor,
             errors: torch.Tensor | None, *, plan: RowPlan | None = None,
-            host_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            host_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+            pages: tuple[int, int] = (0, 0)) -> None:
         """Copy ``src_rows[i] -> dst_rows[i]`` (int32/int64 ``[n]``, on the CPU or the
         copy's device; ``-1`` skips) in every part, without validation: out-of-range rows
         are skipped and added to ``errors`` (int32 ``[1]`` on the copy's device, or None).
@@ -130,18 +137,28 @@ class PreparedCopy:
         where the caller moved ``src_rows``/``dst_rows`` to the device already (the two-hop
         parts read them there). Runs on the current stream of the copy's device and never
         waits for it: host rows reach the device through a private pinned snapshot, and a
-        two-hop part given only device rows runs the direct kernel."""
+        two-hop part given only device rows runs the direct kernel. ``pages`` (a copy whose
+        parts are all the direct kernel, :attr:`direct_only`): per side, ``P`` where that
+        side's tensor holds slots of ``P``-row pages instead of rows (see the kernel)."""
         if plan is None and src_rows.numel() == 0:
             return
+        if pages != (0, 0):
+            if not self.direct_only:
+                raise ValueError(f"pages={pages}: page slots need a copy run by the direct "
+                                 f"kernel alone, this one runs {sorted(self.backends)}")
+            if not self.parts:  # no layer: count the bad rows the slots stand for
+                src_rows, dst_rows = (page_rows(t, p) if p else t
+                                      for t, p in zip((src_rows, dst_rows), pages, strict=True))
+                pages = (0, 0)
         if self.device.type != "cuda":
-            self._run(src_rows, dst_rows, errors, plan, host_rows)
+            self._run(src_rows, dst_rows, errors, plan, host_rows, pages)
             return
         # A guard of its own per call: torch.cuda.device keeps the device it replaced on
         # the guard object, so one guard shared by threads restores the wrong device.
         with torch.cuda.device(self.device):
-            self._run(src_rows, dst_rows, errors, plan, host_rows)
+            self._run(src_rows, dst_rows, errors, plan, host_rows, pages)
 
-    def _run(self, src_rows, dst_rows, errors, plan, host_rows) -> None:
+    def _run(self, src_rows, dst_rows, errors, plan, host_rows, pages) -> None:
         if host_rows is None and src_rows.device.type == dst_rows.device.type == "cpu":
             host_rows = (src_rows, dst_rows)
         if not self.parts:  # no layer to copy: the bad rows are counted all the same
@@ -160,7 +177,7 @@ class PreparedCopy:
                 if on_device is None:
                     on_device = (to_device(src_rows, self.device).contiguous(),
                                  to_device(dst_rows, self.device).contiguous())
-                launch(part.kernel, *on_device, counter)
+                launch(part.kernel, *on_device, counter, pages)
             elif part.backend == "two_hop":
                 two_hop.copy_rows_two_hop(part.src, part.dst, list(part.layers), *host_rows,
                                           counter, direction=self.direction,
@@ -180,10 +197,15 @@ class PreparedCopy:
         if self.device.type != "cuda":
             return
         with torch.cuda.device(self.device):
-            skip = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+            skip = torch.full((max(1, self.page_tokens),), -1, dtype=torch.int64,
+                              device=self.device)
+            one = skip[:1]
             for part in self.parts:
                 if part.kernel is not None:
-                    launch(part.kernel, skip, skip, None)
+                    launch(part.kernel, one, one, None)
+                    if self.direct_only:  # the launch of a gather or scatter of pages
+                        paged = [one if p else skip for p in self.slot_pages]
+                        launch(part.kernel, *paged, None, self.slot_pages)
                 if part.backend == "two_hop":
                     two_hop.warm_up(part.src, part.dst, part.layers,
                                     direction=self.direction, page_tokens=self.page_tokens)

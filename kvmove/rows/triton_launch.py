@@ -39,11 +39,13 @@ def kernel_args(src: BufferRows, dst: BufferRows, layers: tuple[int, ...],
 
 
 def launch(args: KernelArgs, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-           errors: torch.Tensor | None) -> None:
-    """One launch on the current stream; the row tensors on the tables' device."""
+           errors: torch.Tensor | None, pages: tuple[int, int] = (0, 0)) -> None:
+    """One launch on the current stream; the row tensors on the tables' device. ``pages``:
+    per side, 0 when its tensor holds rows, ``P`` when it holds slots of ``P``-row pages."""
     from kvmove.kernels.row_copy import copy_rows  # imports Triton: on first use
 
     s, d = args.src, args.dst
     copy_rows(args.src_table, args.dst_table, src_rows, dst_rows, errors,
               src_limit=s.num_rows, dst_limit=d.num_rows, src_pitch=s.pitch, dst_pitch=d.pitch,
-              row_bytes=s.row_bytes, base_alignment=args.alignment, config=args.config)
+              row_bytes=s.row_bytes, base_alignment=args.alignment, config=args.config,
+              src_page_tokens=pages[0], dst_page_tokens=pages[1])

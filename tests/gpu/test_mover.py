@@ -360,3 +360,25 @@ def test_the_first_copy_of_a_new_cache_never_waits_for_the_device(backend):
         for layer in range(kv.num_layers(name)):
             assert torch.equal(rows_of(other, name, layer, later),
                                rows_of(kv, name, layer, pages)), f"{name} layer {layer}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "two_hop"])
+def test_the_mover_compiles_nothing_while_serving(backend, gpu_store, keyspace):
+    """Every kernel an evict or a prefetch (whole or layer-wise, host or device indices)
+    launches was compiled by the mover's warm-up: none is compiled in the decode loop."""
+    from tests.gpu.common import compiled_kernels
+
+    pt, n, kv_slots = 16, 4, 1024
+    kv = build(BUFFERS, kv_slots, seed=30)
+    src, dst = disjoint_pages(kv_slots, n, pt, seed=31)
+    with kvmove.KVMover(kv, gpu_store, page_tokens=pt, staging_slots=8,
+                        backend=backend) as mover:
+        torch.cuda.synchronize()
+        before = compiled_kernels()
+        for where in ("pageable", "device"):
+            keys = keyspace(n, where)
+            assert mover.evict(keys, place(src, where)).wait(60) == [OK] * n
+            assert mover.prefetch(keys, place(dst, where)).wait(60) == [OK] * n
+            assert mover.prefetch(keys, place(dst, where), layerwise=True).wait(60) == [OK] * n
+        torch.cuda.synchronize()
+        assert compiled_kernels() == before, "a call compiled a kernel the warm-up did not"

@@ -8,12 +8,14 @@ without the error counter, int32 and int64 indices), and the per-call scalars ``
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from kvmove.kernels.configs import DEFAULTS, default_config, row_class
+from kvmove.kernels.configs import DEFAULTS, LaunchConfig, default_config, row_class
 from kvmove.kernels.row_copy import _copy_rows_kernel, launch_constants
 
 pytest.importorskip("triton.backends.nvidia")
@@ -27,8 +29,10 @@ SIGNATURE = {
     "errors": "*i32", "n": "i32", "src_limit": "i32", "dst_limit": "i32", "src_pitch": "i32",
     "dst_pitch": "i32", "row_words": "i32", "num_row_blocks": "i32", "num_items": "i32",
     "WORD": "constexpr", "VEC": "constexpr", "ALIGN": "constexpr", "ROWS": "constexpr",
-    "BLOCK": "constexpr", "COUNT_ERRORS": "constexpr",
+    "BLOCK": "constexpr", "COUNT_ERRORS": "constexpr", "SRC_PAGE": "constexpr",
+    "DST_PAGE": "constexpr",
 }
+ROWS_MODE = {"SRC_PAGE": 0, "DST_PAGE": 0}  # both sides given as rows
 
 
 def jit_kernel() -> JITFunction:
@@ -38,7 +42,9 @@ def jit_kernel() -> JITFunction:
     return fn
 
 
-def compile_sm90(constants: dict, *, index: str = "i32"):
+def compile_sm90(constants: dict, *, index: str = "i32", num_warps: int = 4,
+                 arch: int = 90):
+    constants = {**ROWS_MODE, **constants}
     fn = jit_kernel()
     signature = dict(SIGNATURE, src_rows=f"*{index}", dst_rows=f"*{index}")
     # Pointer arguments are 16-byte aligned, as the launcher's tensors are.
@@ -48,8 +54,8 @@ def compile_sm90(constants: dict, *, index: str = "i32"):
         (fn.arg_names.index(name),): value for name, value in constants.items()})
     try:
         # No floating point in the kernel: fusing multiply-adds changes nothing.
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"enable_fp_fusion": False})
+        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                options={"enable_fp_fusion": False, "num_warps": num_warps})
     except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this Triton build
         if "ptxas" in str(e):
             pytest.skip(f"cannot compile for sm_90 here: {e}")
@@ -98,6 +104,41 @@ def test_every_default_specialisation_compiles(cls, rows_kind, count_errors, ind
     assert ("atom.global" in ptx or "red.global" in ptx) == count_errors
 
 
+# The corners of the tuner's search space (kvmove.tuning.config_search), on 16-byte and
+# 1-byte aligned rows. Triton 3.6's layout pass once refused 32-row steps that Triton 3.5
+# and 3.9 compiled: scripts/test_triton_versions.sh runs this file under each.
+CORNERS = [LaunchConfig(block_bytes=b, rows=r, num_warps=w, max_programs=16)
+           for b, r in ((128, 1), (128, 64), (1024, 32), (8192, 1), (8192, 8)) for w in (1, 16)]
+
+
+@pytest.mark.parametrize("row_bytes", [656, 131])
+@pytest.mark.parametrize("config", CORNERS,
+                         ids=lambda c: f"b{c.block_bytes}r{c.rows}w{c.num_warps}")
+def test_the_tuner_corners_compile(config, row_bytes):
+    const = launch_constants(row_bytes, row_bytes, row_bytes, 256, config)
+    compile_sm90({**const, "COUNT_ERRORS": True}, index="i64", num_warps=config.num_warps)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize(("src_page", "dst_page"), [(64, 0), (0, 16), (1, 0)])
+@pytest.mark.parametrize("cls", sorted(DEFAULTS))
+def test_pages_given_as_slots_compile(cls, src_page, dst_page, arch):
+    """A gather (staging side: dst) or scatter (src) whose staging side is page slots."""
+    row_bytes = ROW_SIZES[cls][0]
+    const = launch_constants(row_bytes, row_bytes, row_bytes, 256, default_config(row_bytes))
+    kernel = compile_sm90({**const, "COUNT_ERRORS": True, "SRC_PAGE": src_page,
+                           "DST_PAGE": dst_page}, arch=arch)
+    assert "st.global" in kernel.asm["ptx"]
+
+
+def test_the_run_sees_the_expected_triton():
+    """``KVMOVE_EXPECT_TRITON`` (scripts/test_triton_versions.sh) names the version that must
+    be the one imported: a wrong PYTHONPATH would otherwise test .venv's Triton again."""
+    expected = os.environ.get("KVMOVE_EXPECT_TRITON")
+    if expected:
+        assert triton.__version__ == expected, (triton.__version__, triton.__file__)
+
+
 def specialisation(**scalars):
     """The specialisation key Triton's launcher computes for a launch on an sm_90 GPU."""
     from triton.compiler import make_backend
@@ -111,7 +152,7 @@ def specialisation(**scalars):
     args = dict(src_table=table, dst_table=table, src_rows=rows, dst_rows=rows,
                 errors=rows, n=1, src_limit=1000, dst_limit=1000, src_pitch=41, dst_pitch=41,
                 row_words=164, num_row_blocks=1, num_items=1, WORD=tl.int32, VEC=4, ALIGN=16,
-                ROWS=8, BLOCK=256, COUNT_ERRORS=True)
+                ROWS=8, BLOCK=256, COUNT_ERRORS=True, **ROWS_MODE)
     args.update(scalars)
     _, spec, _ = binder(**args)
     return dict(zip(fn.arg_names, spec, strict=True))
