@@ -119,6 +119,10 @@ if [ "$gpus" -lt 2 ]; then
 fi
 if ! "$py" -c 'import mooncake.engine' >/dev/null 2>&1; then
   say "Mooncake is not installed: the Transfer Engine tests are not run"
+  # What its CUDA wheel's engine.so links against beyond the wheel: to carry what is missing.
+  for lib in libibverbs.so.1 libmlx5.so.1 libnuma.so.1 libcurl.so.4; do
+    if ldconfig -p 2>/dev/null | grep -q "$lib"; then say "  $lib: present"; else say "  $lib: missing"; fi
+  done
   skip_marks+=(transfer_engine)
   no_mooncake=$(collected transfer_engine)
 fi
