@@ -733,7 +733,9 @@ class KVMover:
             log.warning("%s of %d keys failed: %s", getattr(op, "__name__", "store call"),
                         len(desc), e)
             return [Status.FAILED] * len(desc), [-1] * len(desc), None, None
-        codes = list(getattr(statuses, "codes", [0 if s is Status.OK else -1 for s in statuses]))
+        codes = getattr(statuses, "codes", None)  # a default argument would be built always
+        codes = (list(codes) if codes is not None
+                 else [0 if s is Status.OK else -1 for s in statuses])
         return (list(statuses), codes, getattr(statuses, "late", None),
                 getattr(statuses, "late_stored", None))
 

@@ -1052,7 +1052,8 @@ class MooncakeStore:
     def _get_chunk(self, client, part: Descriptors) -> list[int]:
         codes = self._batch(client.batch_get_into_multi_buffers, part.keys, part.ptrs,
                             part.sizes)
-        retry = [i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
+        retry = ([i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
+                 if LEASE_EXPIRED in codes else None)  # the scan in C first: mostly none
         if retry:
             sub = part.select(retry)
             again = self._batch(client.batch_get_into_multi_buffers, sub.keys, sub.ptrs,
