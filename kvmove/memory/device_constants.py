@@ -10,6 +10,12 @@ read from another until that stream gets there. :func:`device_constant` uploads 
 stream of its own, which holds nothing else, and waits for that stream alone: the constant
 is complete on the device when it returns (any stream may read it), and the caller's
 streams are neither waited for nor given work.
+
+Constants are kept for the life of the process, one per device and value: a kernel queued
+on any stream may still read one when its maker is dropped, and torch's caching allocator
+would hand freed memory to the next upload with no order after that kernel. They are few
+and small (a table of layer addresses per cache and layer set, ring row numbers per ring
+size), and a cache wrapped again over the same tensors finds its tables made already.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 import torch
 
 _streams: dict[int, torch.cuda.Stream] = {}
+_kept: dict[tuple, torch.Tensor] = {}  # (device index, dtype, shape, bytes) -> constant
 _lock = threading.Lock()
 
 
@@ -35,13 +42,25 @@ def _upload_stream(device: torch.device) -> torch.cuda.Stream:
 
 def device_constant(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``values`` (a CPU tensor) as a tensor on ``device``, complete when this returns:
-    uploaded on a private stream that is synchronised alone (never the caller's streams).
-    On the CPU, ``values`` itself. Not for use under CUDA-graph capture (make constants in
-    the warm-up, as every copy does)."""
+    uploaded on a private stream that is synchronised alone (never the caller's streams),
+    and kept (equal values on the same device share one). On the CPU, ``values`` itself.
+    Refused under CUDA-graph capture: constants are made in the warm-up, as every copy
+    makes them."""
     if device.type != "cuda":
         return values
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a kvmove device constant (a pointer table or ring rows) was first needed during "
+            "CUDA-graph capture: run the copy once before capturing it (the warm-up)")
     stream = _upload_stream(device)
+    values = values.contiguous()
+    key = (stream.device_index, values.dtype, tuple(values.shape), values.numpy().tobytes())
+    with _lock:
+        kept = _kept.get(key)
+    if kept is not None:
+        return kept
     with torch.cuda.stream(stream):
         out = values.to(device, non_blocking=True)
     stream.synchronize()
-    return out
+    with _lock:
+        return _kept.setdefault(key, out)

@@ -22,3 +22,20 @@ def test_a_constant_is_made_while_the_stream_is_busy_and_read_from_another():
     assert busy.still_busy(), "the read on another stream waited for the busy one"
     assert torch.equal(copy.cpu(), values)
     assert table.device.type == "cuda" and table.dtype == torch.int64
+    # Kept, one per value: a cache wrapped again finds its tables (nothing freed under a
+    # kernel that may still read them).
+    assert device_constant(values.clone(), CUDA) is table
+    assert device_constant(values + 1, CUDA) is not table
+
+
+def test_a_constant_is_refused_under_graph_capture():
+    import pytest
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.zeros(1, device=CUDA)
+        with pytest.raises(RuntimeError, match="during CUDA-graph capture"), \
+                torch.cuda.graph(graph):
+            device_constant(torch.arange(3, dtype=torch.int64) + 10**6, CUDA)
