@@ -74,7 +74,7 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
     the CPU with the torch backend, pages that are all whole move without row lists."""
     gathering = prepared.gathering
     kv_rows, num_slots = prepared.kv_rows, prepared.staging_slots
-    if prepared.torch_only and token_pages.is_cpu:
+    if prepared.torch_only and prepared.parts and token_pages.is_cpu:
         plan = plan_whole_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
         if plan is not None:  # every row in range: only the destinations' uniqueness is left
             if check and token_pages.shape[0] > 1:

@@ -338,3 +338,22 @@ def test_a_new_destination_never_inherits_a_dropped_ones_element_type():
         kvmove.copy_rows(src, rows, odd, rows, backend="torch")
         for layer in range(2):
             assert torch.equal(odd.layer("kv", layer)[rows], src.layer("kv", layer)[rows])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_scatter_of_no_layer_counts_only_the_bad_rows(backend):
+    """A copy that selects no layer copies nothing but still counts out-of-range rows, each
+    index against its own pool (KV rows against the cache, staging rows against the
+    staging): whole valid pages count nothing."""
+    kv = kvmove.KVCache({"kv": torch.randint(0, 255, (2, 64, 16), dtype=torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=2, page_tokens=4)
+    before = kv.layer("kv", 0).clone()
+    pages = torch.tensor([[20, 21, 22, 23], [40, 41, 42, 43]])
+    errors = kvmove.scatter(staging, [0, 1], kv, pages, layers=[], backend=backend)
+    assert int(errors) == 0
+    errors = kvmove.scatter(staging, [0, 1], kv, torch.tensor([[20, 21, 22, 64], [40, 41, -1, 43]]),
+                            layers=[], backend=backend, check=False)
+    assert int(errors) == 1
+    errors = kvmove.gather(kv, staging, pages, [1, 2], backend=backend, check=False)
+    assert int(errors) == 4  # slot 2 of 2: its four rows
+    assert torch.equal(kv.layer("kv", 0), before)
