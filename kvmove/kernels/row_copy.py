@@ -169,7 +169,7 @@ def copy_rows(
       - ``config``: block size, rows per step, warps and the cap on the number of programs.
     """
     for name, p in (("src_page_tokens", src_page_tokens), ("dst_page_tokens", dst_page_tokens)):
-        if not isinstance(p, int) or p < 0:
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
             raise ValueError(f"{name} must be an int >= 0, got {p!r}")
     n = src_rows.numel() * max(src_page_tokens, 1)
     layers = src_table.numel()
