@@ -56,7 +56,7 @@ def fake_result() -> dict:
         "benchmark": "bench_gpu", "gpu": "NVIDIA H200", "layers": 61, "repeats": 5,
         "command": "python -m bench.bench_gpu --quick",
         "vs_bulk": [copy("gather", 656, 0.95, bulk_gbps=50.0),
-                    copy("gather", 132, 0.88, bulk_gbps=50.0),
+                    copy("gather", 132, 0.88, bulk_gbps=50.0, kernel_gbps=47.5),
                     copy("scatter", 656, 0.9, bulk_gbps=50.0)],
         "vs_per_page": [copy("gather", 656, 14.0, per_page_gbps=3.4),
                         copy("scatter", 132, 31.0, per_page_gbps=1.2)],
@@ -107,7 +107,8 @@ def test_markdown_and_report_come_from_the_record():
     md = "\n".join(bench_gpu.markdown(result))
     assert "gather vs a bulk pinned copy (worst row size, <= 16 programs): 0.88x" in md
     assert "MISSED" in md and "met" in md
-    assert "| gather | 132 | 64 | 44.0 | 50.0 | 0.88x | 16 |" in md
+    assert "| gather | 132 | 64 | 44.0 | 47.5 | 50.0 | 0.88x | 16 |" in md
+    assert "| gather | 656 | 64 | 47.5 | - | 50.0 | 0.95x | 16 |" in md  # no kernel figure
     assert "| 8 | +4.0% | 35.0 |" in md
     assert "| gather | 656 | 16 | 4096 | 40.0 | 52.0 | two_hop |" in md
     assert md == "\n".join(report.suite_section("gpu", result))
