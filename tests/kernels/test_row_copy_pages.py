@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvmove.kernels import row_copy
 from kvmove.kernels.configs import INTERPRETER_CONFIG
+from kvmove.rows.row_numbers import page_rows
 
 pytestmark = [pytest.mark.usefixtures("triton_interpreter"), pytest.mark.interpreter]
 
@@ -36,14 +37,6 @@ def copy(src, dst, src_index, dst_index, *, src_pages=0, dst_pages=0) -> int:
     return int(errors.item())
 
 
-def slot_rows(slots: torch.Tensor, page_tokens: int, slot_limit: int) -> torch.Tensor:
-    """The rows a slot stands for: -1 stays -1, a bad slot gives rows the kernel counts."""
-    rows = slots[:, None] * page_tokens + torch.arange(page_tokens)[None, :]
-    bad = (slots < -1) | (slots >= slot_limit)
-    rows = torch.where(bad[:, None], torch.full_like(rows, -2), rows)
-    return torch.where((slots == -1)[:, None], torch.full_like(rows, -1), rows).reshape(-1)
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), page_tokens=st.sampled_from([1, 2, 3, 16]),
        row_bytes=st.sampled_from([4, 6, 132, 656]), layers=st.integers(1, 3),
@@ -60,7 +53,9 @@ def test_page_slots_move_what_their_rows_move(data, page_tokens, row_bytes, laye
         min_size=n * page_tokens, max_size=n * page_tokens)), dtype=index_dtype)
     kv = pool(layers, kv_rows, row_bytes, seed=1)
     staging = pool(layers, slots_total * page_tokens, row_bytes, seed=2)
-    rows = slot_rows(slots.to(torch.int64), page_tokens, slots_total).to(index_dtype)
+    # The rows the slots stand for, as the row path numbers them (a bad slot: rows that
+    # are out of range, -1: rows skipped)
+    rows = page_rows(slots, page_tokens).to(index_dtype)
     if gathering:
         src, dst = kv, staging
         want_dst, got_dst = dst.clone(), dst.clone()
