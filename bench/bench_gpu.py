@@ -148,34 +148,17 @@ def _kvmove_copy(w, case):
     return fn, config
 
 
-def _raw_kernel(w, case, config):
-    """One launch of the kernel with every argument prepared beforehand (rows on the
-    device, tables made), the config kvmove picks: the copy kvmove's call makes, without
-    the call's host work. Its bytes are checked once."""
-    from kvmove.kernels.alignment import pow2_alignment
-    from kvmove.kernels.row_copy import copy_rows
+def _raw_kernel(case, config, device):
+    """``(fn, close)``: one launch of the kernel with every argument prepared beforehand,
+    the config kvmove picks, on the tuner's workload of this shape (whole KV pages in a
+    random order into staging slots 0..n-1, as the measured call copies): the copy
+    kvmove's call makes, without the call's host work."""
+    from kvmove.tuning.workload import Workload as TuningWorkload
 
-    _, slots, rows = w.indices(case.pages)
-    kv, staging = w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"]
-    staged = (slots[:, None] * case.page_tokens + torch.arange(case.page_tokens)).reshape(-1)
-    gathering = case.direction == "gather"
-    src, dst = (kv, staging) if gathering else (staging, kv)
-    s_rows, d_rows = (rows, staged) if gathering else (staged, rows)
-    s_rows, d_rows = s_rows.to(w.device), d_rows.to(w.device)
-    layers = tuple(range(src.num_layers))
-    tables = src.address_table(layers, w.device), dst.address_table(layers, w.device)
-    alignment = pow2_alignment(*src.device_addresses, *dst.device_addresses)
-
-    def fn():
-        copy_rows(*tables, s_rows, d_rows, None, src_limit=src.num_rows,
-                  dst_limit=dst.num_rows, src_pitch=src.pitch, dst_pitch=dst.pitch,
-                  row_bytes=src.row_bytes, base_alignment=alignment, config=config)
-
-    w.poison(case.direction, case.pages)
-    fn()
-    _sync(w.device)
-    w.check(case.direction, case.pages)
-    return fn
+    w = TuningWorkload(device, case.row_bytes, case.page_tokens, layers=case.layers,
+                       target_bytes=case.nbytes)
+    launch = w.launcher(case.direction)
+    return (lambda: launch(config)), w.close
 
 
 def measure_copies(args, device) -> tuple[list[dict], list[dict]]:
@@ -194,16 +177,21 @@ def measure_copies(args, device) -> tuple[list[dict], list[dict]]:
                     case = Case(direction, rb, pt, pages, args.layers)
                     fn, config = _kvmove_copy(w, case)
                     fns = {"kvmove": fn}
+                    close_kernel = None
                     if pt == args.page_tokens:
                         fns["bulk"] = baselines.bulk(w, case)[0]
                         if device.type == "cuda":  # the same copy without kvmove's host work
-                            fns["kernel"] = _raw_kernel(w, case, config)
+                            fns["kernel"], close_kernel = _raw_kernel(case, config, device)
                     per_page = None
                     if pt in args.per_page_tokens:
                         per_page, per_page_bytes = baselines.memcpy_page(w, case,
                                                                          args.max_calls)
                         fns["per_page"] = per_page
-                    t = _time(fns, device, args)
+                    try:
+                        t = _time(fns, device, args)
+                    finally:
+                        if close_kernel is not None:
+                            close_kernel()
                     base = {"direction": direction, "row_bytes": rb, "page_tokens": pt,
                             "pages": pages, "layers": args.layers, "bytes": case.nbytes,
                             "max_programs": config.max_programs,
