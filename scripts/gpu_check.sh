@@ -16,10 +16,10 @@
 #   With --full, also the kernel benchmarks and the per-call cost (bench.run_all --quick
 #   --only kernels calls), which take a few minutes more.
 #
-#   scripts/gpu_check.sh [--full] [OUT_DIR]   # OUT_DIR: $OUT if set (the device tool),
+#   scripts/gpu_check.sh [--full] [OUT_DIR]   # OUT_DIR: $OUT if set,
 #                                             # else bench/results/gpu-check
 #
-# Writes to OUT_DIR (at most 8 files, none in subfolders): gpu_check.log, gpu_tests.xml,
+# Writes to OUT_DIR (a few files, none in subfolders): gpu_check.log, gpu_tests.xml,
 # bench_gpu-<gpu>.json, paths-<gpu>.json (the faster path per tuner key), tuned-<gpu>.json
 # (the tuner's table), verdict.txt; with --full also <gpu>-<date>-quick.json. Python: this
 # repository's .venv when its torch sees the GPU, else $PYTHON or python3 (with torch,
