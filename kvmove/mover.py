@@ -566,10 +566,7 @@ class KVMover:
             if gathered is not None:
                 gathered.synchronize()
             bad = piece.bad_on_host()
-            good = np.arange(n) if bad is None else np.flatnonzero(~bad)
-            if good.size < n:
-                log.warning("evict: %d of %d keys have out-of-range rows; not stored",
-                            n - good.size, n)
+            good = _stored_keys(bad, n)
             self._zero_padding(piece, slots)
             kept = slots if bad is None else slots[torch.from_numpy(good)]
             valid = piece.valid[good]
@@ -776,10 +773,7 @@ class KVMover:
         n = len(call.keys)
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         pages, bad = self._host_pages(call, self._evict_stream)
-        good = np.arange(n) if bad is None else np.flatnonzero(~bad)
-        if good.size < n:
-            log.warning("evict: %d of %d keys have out-of-range rows; not stored",
-                        n - good.size, n)
+        good = _stored_keys(bad, n)
         if bad is not None:
             pages = pages[good]
         desc = self._evict_rows.describe_trusted(
@@ -927,6 +921,16 @@ class Call:
         if isinstance(self.bad, torch.Tensor):
             return self._bad_host.numpy()
         return self.bad
+
+
+def _stored_keys(bad: np.ndarray | None, n: int) -> np.ndarray:
+    """The positions of an evict's keys that are stored: those without an out-of-range row
+    (``bad``: one flag per key, or None for none), the others logged."""
+    good = np.arange(n) if bad is None else np.flatnonzero(~bad)
+    if good.size < n:
+        log.warning("evict: %d of %d keys have out-of-range rows; not stored",
+                    n - good.size, n)
+    return good
 
 
 def _fail_bad(bad: np.ndarray, statuses: list[Status], codes: list[int]) -> None:
