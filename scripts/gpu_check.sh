@@ -86,6 +86,20 @@ if [ ${#wheels[@]} -gt 0 ]; then
     || die "the carried wheels did not install (see $log)"
   export PYTHONPATH="$PYTHONPATH:$site"
 fi
+if [ -d .whl/lib ]; then
+  # Carried system libraries (gpu_payload.sh WITH_MOONCAKE=1): only those this machine lacks
+  # are linked into a private folder put on LD_LIBRARY_PATH; the machine's own stay in use.
+  have=$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)
+  libdir=${TMPDIR:-/tmp}/kvmove-gpu-libs
+  rm -rf "$libdir"
+  mkdir -p "$libdir"
+  for lib in .whl/lib/*.so*; do
+    name=$(basename "$lib")
+    if ! grep -qF "$name " <<<"$have"; then ln -s "$repo/$lib" "$libdir/$name"; fi
+  done
+  say "carried libraries this machine lacks: $(ls "$libdir" | tr '\n' ' ')"
+  export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # A private tuning cache: the tuner writes it, the benchmark reads it; the user's is left alone.
@@ -117,8 +131,8 @@ if [ "$gpus" -lt 2 ]; then
   skip_marks+=(multi_gpu)
   deselected=$(collected multi_gpu)
 fi
-if ! "$py" -c 'import mooncake.engine' >/dev/null 2>&1; then
-  say "Mooncake is not installed: the Transfer Engine tests are not run"
+if ! why=$("$py" -c 'import mooncake.engine' 2>&1); then
+  say "Mooncake is not usable here: the Transfer Engine tests are not run ($(tail -n1 <<<"$why"))"
   # What its CUDA wheel's engine.so links against beyond the wheel: to carry what is missing.
   # (read whole, then searched: grep -q on a pipe can end ldconfig early, and pipefail
   # would then report a library that is there as missing)

@@ -13,8 +13,11 @@
 #   bash scripts/gpu_check.sh                    # on the GPU machine, with .whl/ copied there
 #
 # PYTHON_VERSION (default 3.12) picks another Python. WITH_MOONCAKE=1 adds the Mooncake wheel
-# of that CUDA major (mooncake-transfer-engine for 12, -cuda13 for 13), for running the core
-# suite's store tests there as well (they also need libibverbs1: apt-get download it).
+# of that CUDA major (mooncake-transfer-engine for 12, -cuda13 for 13), for the Transfer Engine
+# tests and the store's figures there, and the shared libraries its engine links against
+# beyond the wheel (libibverbs1, its providers, libnuma1, libnl), taken from this Debian
+# machine's packages (apt-get download) into .whl/lib: gpu_check.sh puts those the GPU
+# machine lacks on LD_LIBRARY_PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 major=${CUDA_MAJOR:?set CUDA_MAJOR to the CUDA major of the GPU machine torch (12 or 13)}
@@ -32,6 +35,23 @@ get() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
 }
 get "cuda-bindings>=$major,<$((major + 1))" cuda-pathfinder
-if [ "${WITH_MOONCAKE:-0}" = 1 ]; then get "$mooncake"; fi
+if [ "${WITH_MOONCAKE:-0}" = 1 ]; then
+  get "$mooncake"
+  debs=$(mktemp -d)
+  (cd "$debs" && apt-get download -q libibverbs1 ibverbs-providers libnuma1 libnl-3-200 \
+    libnl-route-3-200 >/dev/null) || { echo "apt-get download failed: the Mooncake wheel is" \
+    "carried without its system libraries" >&2; }
+  mkdir -p .whl/lib
+  for deb in "$debs"/*.deb; do
+    [ -e "$deb" ] || continue
+    dpkg-deb -x "$deb" "$debs/root"
+  done
+  if [ -d "$debs/root" ]; then
+    # each library under its soname (libibverbs.so.1, ...), as a plain file
+    find "$debs/root" -regextype posix-extended -regex '.*/lib[^/]*\.so\.[0-9]+' \
+      -exec cp -L {} .whl/lib/ \;
+  fi
+  rm -rf "$debs"
+fi
 du -sh .whl
-ls .whl
+ls .whl .whl/lib 2>/dev/null || true
