@@ -12,12 +12,15 @@ pages launches on the caller's indices as they are, with no row list made per ca
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kvmove.kernels.alignment import pow2_alignment
+from kvmove.kernels.compiled_launch import CompiledLaunches
 from kvmove.kernels.configs import LaunchConfig
 
 _WORD_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
@@ -105,10 +108,12 @@ def _copy_rows_kernel(
             tl.store(dst_base + dst_start[:, None] + cols[None, :], v, mask=mask)
 
 
+@functools.lru_cache(maxsize=1024)
 def launch_constants(row_bytes: int, src_pitch: int, dst_pitch: int, base_alignment: int,
                      config: LaunchConfig) -> dict:
-    """The compile-time constants of a launch (all but ``COUNT_ERRORS``): the widest
-    aligned access (``ALIGN`` bytes, ``VEC`` words of ``WORD``), ``ROWS`` and ``BLOCK``."""
+    """The compile-time constants of a launch (all but ``COUNT_ERRORS`` and the page
+    sides): the widest aligned access (``ALIGN`` bytes, ``VEC`` words of ``WORD``),
+    ``ROWS`` and ``BLOCK``. Worked out once per geometry (do not modify the dict)."""
     align = pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
     word = min(align, 4)
     vec = align // word
@@ -191,26 +196,29 @@ def copy_rows(
     const = launch_constants(row_bytes, src_pitch, dst_pitch, base_alignment, config)
     align, rows = const["ALIGN"], const["ROWS"]
     word = align // const["VEC"]
-    num_row_blocks = triton.cdiv(n, rows)
+    num_row_blocks = -(-n // rows)
     num_items = layers * num_row_blocks
-    grid = (max(1, min(num_items, config.max_programs)),)
-    _kernel_for(src_table.device)[grid](
-        src_table,
-        dst_table,
-        src_rows,
-        dst_rows,
-        src_rows if errors is None else errors,  # any pointer when not counting
-        n,
-        src_limit,
-        dst_limit,
-        src_pitch // align,
-        dst_pitch // align,
-        row_bytes // word,
-        num_row_blocks,
-        num_items,
-        **const,
-        COUNT_ERRORS=errors is not None,
-        SRC_PAGE=src_page_tokens,
-        DST_PAGE=dst_page_tokens,
-        num_warps=config.num_warps,
-    )
+    grid = max(1, min(num_items, config.max_programs))
+    counter = src_rows if errors is None else errors  # any pointer when not counting
+    args = (src_table, dst_table, src_rows, dst_rows, counter, n, src_limit, dst_limit,
+            src_pitch // align, dst_pitch // align, row_bytes // word, num_row_blocks,
+            num_items, const["WORD"], const["VEC"], align, rows, const["BLOCK"],
+            errors is not None, src_page_tokens, dst_page_tokens)
+    device = src_table.device
+    if device.type == "cpu":  # the interpreter
+        _launches.through_triton(_kernel_for(device), grid, args, config.num_warps)
+        return
+    # Everything the kernel specialises on (see _copy_rows_kernel's do_not_specialize):
+    # the per-call integers only by their width, the row and counter pointers by dtype.
+    key = (device.index, src_rows.dtype, dst_rows.dtype, counter.dtype,
+           src_table.data_ptr() % 16, dst_table.data_ptr() % 16, n < 2**31,
+           num_items < 2**31, *args[6:11], *args[13:], config.num_warps)
+    _launches.launch(key, grid, args, device.index, config.num_warps)
+
+
+# Every parameter of the kernel, in order; the first _POSITIONAL are not constexpr.
+_PARAMS = ("src_table", "dst_table", "src_rows", "dst_rows", "errors", "n", "src_limit",
+           "dst_limit", "src_pitch", "dst_pitch", "row_words", "num_row_blocks", "num_items",
+           "WORD", "VEC", "ALIGN", "ROWS", "BLOCK", "COUNT_ERRORS", "SRC_PAGE", "DST_PAGE")
+_POSITIONAL = 13
+_launches = CompiledLaunches(_copy_rows_kernel, _PARAMS, _POSITIONAL)

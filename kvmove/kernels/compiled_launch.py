@@ -1,0 +1,83 @@
+"""Launching a compiled Triton kernel again without Triton's per-call work.
+
+``kernel[grid](...)`` binds every argument, works out its specialisation, hashes it into a
+cache key and looks the compiled kernel up, on every call: tens of µs of host time, paid
+per launch (a layer-wise scatter launches once per layer). A launcher that knows what its
+kernel specialises on can key the compiled kernel itself, by a tuple it builds in a few
+µs, and launch it as ``JITFunction.run`` does (``CompiledKernel.run`` with the current
+stream of the device, every parameter in order, constexprs included): the same compiled
+code, with the same arguments.
+
+The first launch of each key goes through Triton (which compiles or loads the kernel and
+launches it); later ones are direct. Triton's own path is kept whenever a launch hook is
+set (a profiler), on the interpreter, and everywhere when ``KVMOVE_TRITON_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from triton.runtime import driver
+
+try:  # Triton >= 3.4; before it, every launch goes through Triton
+    from triton import knobs
+except ImportError:  # pragma: no cover - older Triton
+    knobs = None
+
+ENV = "KVMOVE_TRITON_FAST_LAUNCH"
+MAX_KEYS = 512  # compiled kernels kept per launcher (then the table starts again)
+
+
+class CompiledLaunches:
+    """Launches of one ``@triton.jit`` function, keyed by its caller.
+
+    ``key`` must differ wherever Triton's specialisation could differ: the dtype and
+    16-byte alignment of each pointer it specialises on (the dtype alone for those in
+    ``do_not_specialize``), the value (or, for ``do_not_specialize``, the 32/64-bit width)
+    of each integer, every constexpr, the launch options, and the device."""
+
+    def __init__(self, fn, names: tuple[str, ...], num_positional: int):
+        self.fn = fn
+        self.names = names  # every parameter, in order
+        self.num_positional = num_positional  # those given positionally to Triton's launch
+        self._kernels: dict = {}
+        self._lock = threading.Lock()
+        self.enabled = knobs is not None and os.environ.get(ENV, "1") != "0"
+        self._stream = None
+
+    def launch(self, key: tuple, grid: int, args: tuple, device_index: int,
+               num_warps: int) -> None:
+        """Launch ``fn`` on ``grid`` programs with ``args`` (every parameter, in order) on
+        the current stream of device ``device_index``."""
+        kernel = self._kernels.get(key) if self.enabled else None
+        if (kernel is None or _hooked(knobs.runtime.launch_enter_hook)
+                or _hooked(knobs.runtime.launch_exit_hook)):
+            self._through_triton(key, grid, args, num_warps)
+            return
+        if self._stream is None:
+            self._stream = driver.active.get_current_stream
+        kernel.run(grid, 1, 1, self._stream(device_index), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args)
+
+    def through_triton(self, fn, grid: int, args: tuple, num_warps: int):
+        """``fn[grid](...)`` (``fn``: this launcher's function, or its interpreted twin) with
+        ``args`` split into Triton's positional arguments and constexpr keywords; returns
+        what Triton returns (the compiled kernel, on a GPU)."""
+        n = self.num_positional
+        return fn[(grid,)](*args[:n], **dict(zip(self.names[n:], args[n:], strict=True)),
+                           num_warps=num_warps)
+
+    def _through_triton(self, key: tuple, grid: int, args: tuple, num_warps: int) -> None:
+        kernel = self.through_triton(self.fn, grid, args, num_warps)
+        if not self.enabled or not hasattr(kernel, "packed_metadata"):  # the interpreter
+            return
+        with self._lock:
+            if len(self._kernels) >= MAX_KEYS:
+                self._kernels.clear()
+            self._kernels[key] = kernel
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton's hooks are chains, empty unless one was added."""
+    return hook is not None and bool(getattr(hook, "calls", True))
