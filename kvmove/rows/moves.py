@@ -21,7 +21,8 @@ from kvmove.checks import (
 from kvmove.memory.cache import KVCache
 from kvmove.memory.row_pool import RowPool
 from kvmove.memory.staging import StagingBuffer
-from kvmove.rows.host_indices import to_device
+from kvmove.rows.error_counters import new_error_counter
+from kvmove.rows.host_indices import pair_to_device
 from kvmove.rows.plan import RowPlan, plan_whole_pages
 from kvmove.rows.prepared import PreparedCopy, prepared_copy
 from kvmove.rows.row_numbers import page_rows
@@ -40,7 +41,7 @@ def _row_pool(value, name: str) -> RowPool:
 def error_counter(errors: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The caller's error counter, checked, or a new one."""
     if errors is None:
-        return torch.zeros(1, dtype=torch.int32, device=device)
+        return new_error_counter(device)
     if not (isinstance(errors, torch.Tensor) and errors.dtype == torch.int32
             and errors.numel() == 1 and errors.device == device):
         raise TypeError(f"errors must be an int32 tensor of one element on {device}, "
@@ -86,8 +87,7 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
     if prepared.direct_only:
         # The kernel reads the pages and the slots as they are (no staging row list made
         # per call): moved to the device once, without waiting for it.
-        kv = to_device(token_pages.reshape(-1), prepared.device)
-        staged = to_device(slots, prepared.device)
+        kv, staged = pair_to_device(token_pages.reshape(-1), slots, prepared.device)
         src, dst = (kv, staged) if gathering else (staged, kv)
         return PagePlan(src, dst, pages=prepared.slot_pages)
     kv, staged = token_pages.reshape(-1), page_rows(slots, prepared.page_tokens)
@@ -96,7 +96,7 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
         host = (kv, staged) if gathering else (staged, kv)
     if prepared.device.type == "cuda" and "triton" in prepared.backends:
         # The kernel reads them on its device: moved once, without waiting for the device.
-        kv, staged = to_device(kv, prepared.device), to_device(staged, prepared.device)
+        kv, staged = pair_to_device(kv, staged, prepared.device)
     if gathering:
         return PagePlan(kv, staged, host_rows=host)
     return PagePlan(staged, kv, host_rows=host)

@@ -150,11 +150,12 @@ class PreparedCopy:
                 src_rows, dst_rows = (page_rows(t, p) if p else t
                                       for t, p in zip((src_rows, dst_rows), pages, strict=True))
                 pages = (0, 0)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or torch.cuda.current_device() == self.device.index:
             self._run(src_rows, dst_rows, errors, plan, host_rows, pages)
             return
-        # A guard of its own per call: torch.cuda.device keeps the device it replaced on
-        # the guard object, so one guard shared by threads restores the wrong device.
+        # On another device: a guard of its own per call (torch.cuda.device keeps the device
+        # it replaced on the guard object, so one guard shared by threads restores the wrong
+        # device).
         with torch.cuda.device(self.device):
             self._run(src_rows, dst_rows, errors, plan, host_rows, pages)
 

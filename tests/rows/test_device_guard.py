@@ -19,6 +19,7 @@ from tests.support.fake_cuda import FakeDeviceGuard
 
 def test_concurrent_runs_restore_each_threads_own_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", FakeDeviceGuard)
+    monkeypatch.setattr(torch.cuda, "current_device", FakeDeviceGuard.current_device)
     monkeypatch.setattr(prepared_module, "kernel_device",
                         lambda src, dst: torch.device("cuda", 1))  # a copy "on" GPU 1
     real_copy = prepared_module.copy_rows_torch
@@ -70,3 +71,30 @@ def test_a_cpu_copy_takes_no_guard(monkeypatch, n):
     copy = prepared_module.prepared_copy(kv.row_pool, staging.row_pool, backend="torch",
                                          direction="gather", page_tokens=4)
     copy.run(torch.arange(n), torch.arange(n), None)
+
+
+def test_a_copy_on_the_threads_current_device_takes_no_guard(monkeypatch):
+    """The usual case, one GPU or the engine's own: no guard entered and left per call."""
+    entered = []
+
+    class CountingGuard(FakeDeviceGuard):
+        def __enter__(self):
+            entered.append(self.idx)
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.cuda, "device", CountingGuard)
+    monkeypatch.setattr(torch.cuda, "current_device", FakeDeviceGuard.current_device)
+    monkeypatch.setattr(prepared_module, "kernel_device",
+                        lambda src, dst: torch.device("cuda", 1))
+    kv = kvmove.KVCache({"kv": torch.randint(0, 256, (2, 64, 132), dtype=torch.uint8)})
+    staging = kvmove.StagingBuffer(kv, num_slots=8, page_tokens=4)
+    copy = prepared_module.PreparedCopy(kv.row_pool, staging.row_pool, None, backend="torch",
+                                        direction="gather", page_tokens=4)
+    rows = torch.arange(8)
+    FakeDeviceGuard.exchange(1)
+    copy.run(rows, rows, None)
+    assert entered == []
+    FakeDeviceGuard.exchange(0)
+    copy.run(rows, rows, None)
+    assert entered == [1]
+    assert FakeDeviceGuard.current_device() == 0

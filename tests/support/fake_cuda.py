@@ -125,6 +125,11 @@ class FakeDeviceGuard:
         cls.current.idx = idx
         return before
 
+    @classmethod
+    def current_device(cls) -> int:
+        """``torch.cuda.current_device``: this thread's current device."""
+        return getattr(cls.current, "idx", 0)
+
     def __enter__(self):
         self.prev_idx = self.exchange(self.idx)
 

@@ -1,0 +1,43 @@
+"""Fresh error counters for the calls that return one, without an allocation and a fill
+launch per call on a GPU.
+
+A counter is one zeroed int32 on the call's device. On CUDA, counters are handed out as
+one-element views of a zeroed block of them, made on the stream that uses them: the block
+is allocated and filled in that stream's order (so every kernel counting into a view runs
+after the fill), each view is handed out once, and the block's memory goes back to the
+caching allocator, in that stream's order, once the last view is dropped. Under CUDA-graph
+capture a counter is a plain ``torch.zeros``: the graph then zeroes it on every replay.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+BLOCK = 1024  # counters per block (4 KiB)
+
+_lock = threading.Lock()
+_blocks: dict = {}  # (device index, raw stream) -> [block, next free index]
+
+
+def new_error_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 ``[1]`` counter on ``device``, for the current stream's work."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream
+           if _raw_stream is None else _raw_stream(index))
+    with _lock:
+        entry = _blocks.get(key)
+        if entry is None or entry[1] == BLOCK:
+            if len(_blocks) > 64:  # streams come and go: keep the table small
+                _blocks.clear()
+            entry = _blocks[key] = [torch.zeros(BLOCK, dtype=torch.int32, device=device), 0]
+        i = entry[1]
+        entry[1] = i + 1
+        return entry[0][i:i + 1]
+
+
+# The current stream's handle without making a Stream object (what Triton launches on).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
