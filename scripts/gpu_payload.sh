@@ -3,10 +3,12 @@
 # the copy engine's binding, cuda-bindings (and cuda-pathfinder, which it loads the driver
 # through), for that machine's Python and for the CUDA major of ITS torch (cuda-bindings 12.x
 # for a torch built for CUDA 12, 13.x for CUDA 13: a binding of the other major is refused by
-# the preflight). Nothing else: pinned staging needs no binding, the GPU tests use an
-# in-memory store (no Mooncake wheel, no libibverbs), and the machine's Python must bring
-# torch, Triton and pytest. A machine whose Python has cuda-bindings of the right major (the
-# H200 image here: torch 2.11+cu130 with cuda-bindings) needs no payload at all.
+# the preflight). Nothing else by default: pinned staging needs no binding, the mover's GPU
+# tests use an in-memory store, and the machine's Python must bring torch, Triton and pytest.
+# A machine whose Python has cuda-bindings of the right major (the H200 image here: torch
+# 2.11+cu130 with cuda-bindings) needs no binding carried. Without Mooncake there, the
+# Transfer Engine tests (the direct path) are left out and the hot path's prefetch figures
+# are not measured: WITH_MOONCAKE=1 (below) carries it.
 #
 #   CUDA_MAJOR=13 bash scripts/gpu_payload.sh    # on a machine with network; CUDA_MAJOR is
 #                                                # required: the GPU machine's torch.version.cuda
