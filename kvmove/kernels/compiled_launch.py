@@ -9,15 +9,20 @@ stream of the device, every parameter in order, constexprs included): the same c
 code, with the same arguments.
 
 The first launch of each key goes through Triton (which compiles or loads the kernel and
-launches it); later ones are direct. Triton's own path is kept whenever a launch hook is
-set (a profiler), on the interpreter, and everywhere when ``KVMOVE_TRITON_FAST_LAUNCH=0``.
+launches it); later ones are direct. The options Triton reads at each launch (``debug``,
+instrumentation) are part of the key. Triton's own path is kept whenever a launch hook, a
+pre-run hook or a stage-inspection hook is set (a profiler, a debugger), on the
+interpreter, on Triton versions whose launch protocol was not checked (checked: 3.5, 3.6
+and 3.9; taken: 3.5 up to 3.9), and everywhere when ``KVMOVE_TRITON_FAST_LAUNCH=0``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 
+import triton
 from triton.runtime import driver
 
 try:  # Triton >= 3.4; before it, every launch goes through Triton
@@ -27,6 +32,13 @@ except ImportError:  # pragma: no cover - older Triton
 
 ENV = "KVMOVE_TRITON_FAST_LAUNCH"
 MAX_KEYS = 512  # compiled kernels kept per launcher (then the table starts again)
+CHECKED = ((3, 5), (3, 10))  # Triton versions [from, to) whose run() launches as below
+
+
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string; (0, 0) when it has none."""
+    found = re.match(r"(\d+)\.(\d+)", text)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 class CompiledLaunches:
@@ -43,16 +55,20 @@ class CompiledLaunches:
         self.num_positional = num_positional  # those given positionally to Triton's launch
         self._kernels: dict = {}
         self._lock = threading.Lock()
-        self.enabled = knobs is not None and os.environ.get(ENV, "1") != "0"
+        self.enabled = (knobs is not None and os.environ.get(ENV, "1") != "0"
+                        and CHECKED[0] <= _version(triton.__version__) < CHECKED[1])
         self._stream = None
 
     def launch(self, key: tuple, grid: int, args: tuple, device_index: int,
                num_warps: int) -> None:
         """Launch ``fn`` on ``grid`` programs with ``args`` (every parameter, in order) on
         the current stream of device ``device_index``."""
-        kernel = self._kernels.get(key) if self.enabled else None
-        if (kernel is None or _hooked(knobs.runtime.launch_enter_hook)
-                or _hooked(knobs.runtime.launch_exit_hook)):
+        if not self.enabled:
+            self.through_triton(self.fn, grid, args, num_warps)
+            return
+        key = (key, *_options())
+        kernel = self._kernels.get(key)
+        if kernel is None or self._hooked():
             self._through_triton(key, grid, args, num_warps)
             return
         if self._stream is None:
@@ -68,9 +84,16 @@ class CompiledLaunches:
         return fn[(grid,)](*args[:n], **dict(zip(self.names[n:], args[n:], strict=True)),
                            num_warps=num_warps)
 
+    def _hooked(self) -> bool:
+        """Whether something watches Triton's launches: they must go through Triton."""
+        runtime = knobs.runtime
+        return (bool(self.fn.pre_run_hooks) or _hooked(runtime.launch_enter_hook)
+                or _hooked(runtime.launch_exit_hook)
+                or getattr(runtime, "add_stages_inspection_hook", None) is not None)
+
     def _through_triton(self, key: tuple, grid: int, args: tuple, num_warps: int) -> None:
         kernel = self.through_triton(self.fn, grid, args, num_warps)
-        if not self.enabled or not hasattr(kernel, "packed_metadata"):  # the interpreter
+        if not hasattr(kernel, "packed_metadata"):  # the interpreter
             return
         with self._lock:
             if len(self._kernels) >= MAX_KEYS:
@@ -81,3 +104,10 @@ class CompiledLaunches:
 def _hooked(hook) -> bool:
     """Whether a launch hook is set: Triton's hooks are chains, empty unless one was added."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _options() -> tuple:
+    """The compile options Triton's ``run`` reads from its knobs at each launch."""
+    compilation = knobs.compilation
+    return (knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None),
+            getattr(compilation, "fpsan_homomorphic_casts", None))

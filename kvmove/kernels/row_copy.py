@@ -208,12 +208,24 @@ def copy_rows(
     if device.type == "cpu":  # the interpreter
         _launches.through_triton(_kernel_for(device), grid, args, config.num_warps)
         return
-    # Everything the kernel specialises on (see _copy_rows_kernel's do_not_specialize):
-    # the per-call integers only by their width, the row and counter pointers by dtype.
-    key = (device.index, src_rows.dtype, dst_rows.dtype, counter.dtype,
-           src_table.data_ptr() % 16, dst_table.data_ptr() % 16, n < 2**31,
-           num_items < 2**31, *args[6:11], *args[13:], config.num_warps)
-    _launches.launch(key, grid, args, device.index, config.num_warps)
+    key = specialisation_key(args, device.index, config.num_warps)
+    if torch.cuda.current_device() == device.index:
+        _launches.launch(key, grid, args, device.index, config.num_warps)
+        return
+    with torch.cuda.device(device):  # Triton launches on the current device's context
+        _launches.launch(key, grid, args, device.index, config.num_warps)
+
+
+def specialisation_key(args: tuple, device_index: int, num_warps: int) -> tuple:
+    """Everything the kernel is specialised on, for a launch with ``args`` (every parameter,
+    in order): the tables' 16-byte alignment, the dtypes of the row and counter pointers
+    (``do_not_specialize``: not their alignment), the per-call integers by their width
+    (``do_not_specialize``), the geometry integers by value, every constexpr, the warps and
+    the device."""
+    tables_aligned = (args[0].data_ptr() % 16 == 0, args[1].data_ptr() % 16 == 0)
+    widths = tuple(-2**31 <= v < 2**31 for v in (args[5], args[11], args[12]))
+    return (device_index, args[2].dtype, args[3].dtype, args[4].dtype, *tables_aligned,
+            *widths, *args[6:11], *args[13:], num_warps)
 
 
 # Every parameter of the kernel, in order; the first _POSITIONAL are not constexpr.

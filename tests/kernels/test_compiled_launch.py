@@ -1,7 +1,9 @@
 """CompiledLaunches (no GPU needed: a stand-in for Triton's JIT function and compiled
 kernel): the first launch of a key goes through Triton, later ones straight to the
-compiled kernel with every argument in order; a launch hook or the kill switch keeps
-Triton's path; the row-copy launcher's parameter list matches its kernel."""
+compiled kernel with every argument in order; a launch or pre-run hook, a Triton version
+not checked, or the kill switch keeps Triton's path; a debug launch is another kernel; the
+row-copy launcher's parameter list matches its kernel. (The row-copy key against Triton's
+own specialisation: tests/kernels/test_row_copy_compile.py.)"""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class FakeJit:
     def __init__(self):
         self.calls = []
         self.compiled = {}
+        self.pre_run_hooks = []
 
     def __getitem__(self, grid):
         def launch(*args, num_warps, **constexprs):
@@ -73,6 +76,33 @@ def test_a_launch_hook_keeps_tritons_path(launches, monkeypatch):
     assert not fn.compiled[(("K", 3),)].runs
     out.launch(("k",), 1, (1, 2, 3), 0, 4)  # the hook is gone: straight again
     assert len(fn.calls) == 2
+
+
+def test_a_pre_run_hook_keeps_tritons_path(launches):
+    fn, out = launches
+    out.launch(("k",), 1, (1, 2, 3), 0, 4)
+    fn.pre_run_hooks.append(lambda *a, **k: None)
+    out.launch(("k",), 1, (1, 2, 3), 0, 4)
+    assert len(fn.calls) == 2
+
+
+def test_a_debug_launch_is_another_kernel(launches, monkeypatch):
+    from triton import knobs
+
+    fn, out = launches
+    out.launch(("k",), 1, (1, 2, 3), 0, 4)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    out.launch(("k",), 1, (1, 2, 3), 0, 4)
+    assert len(fn.calls) == 2  # Triton's run compiles a debug kernel: not the one kept
+
+
+@pytest.mark.parametrize(("version", "taken"), [("3.4.0", False), ("3.5.1", True),
+                                                ("3.6.0+git1a2b", True), ("3.9.0", True),
+                                                ("3.10.0", False), ("4.0.0", False)])
+def test_only_checked_triton_versions_take_the_direct_launch(monkeypatch, version, taken):
+    monkeypatch.delenv(compiled_launch.ENV, raising=False)
+    monkeypatch.setattr(compiled_launch.triton, "__version__", version)
+    assert CompiledLaunches(FakeJit(), ("a",), 1).enabled is taken
 
 
 def test_the_kill_switch_keeps_tritons_path(monkeypatch):

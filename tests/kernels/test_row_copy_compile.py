@@ -139,6 +139,20 @@ def test_the_run_sees_the_expected_triton():
         assert triton.__version__ == expected, (triton.__version__, triton.__file__)
 
 
+_TABLE = torch.zeros(4, dtype=torch.int64)
+_ROWS = torch.zeros(64, dtype=torch.int32)
+
+
+def launch_args(**scalars) -> dict:
+    """A launch's arguments, by name (the defaults overridden by ``scalars``)."""
+    args = dict(src_table=_TABLE, dst_table=_TABLE, src_rows=_ROWS, dst_rows=_ROWS,
+                errors=_ROWS, n=1, src_limit=1000, dst_limit=1000, src_pitch=41, dst_pitch=41,
+                row_words=164, num_row_blocks=1, num_items=1, WORD=tl.int32, VEC=4, ALIGN=16,
+                ROWS=8, BLOCK=256, COUNT_ERRORS=True, **ROWS_MODE)
+    args.update(scalars)
+    return args
+
+
 def specialisation(**scalars):
     """The specialisation key Triton's launcher computes for a launch on an sm_90 GPU."""
     from triton.compiler import make_backend
@@ -147,15 +161,52 @@ def specialisation(**scalars):
     fn = jit_kernel()
     binder = create_function_from_signature(fn.signature, fn.params,
                                             make_backend(GPUTarget("cuda", 90, 32)))
-    table = torch.zeros(4, dtype=torch.int64)
-    rows = torch.zeros(64, dtype=torch.int32)
-    args = dict(src_table=table, dst_table=table, src_rows=rows, dst_rows=rows,
-                errors=rows, n=1, src_limit=1000, dst_limit=1000, src_pitch=41, dst_pitch=41,
-                row_words=164, num_row_blocks=1, num_items=1, WORD=tl.int32, VEC=4, ALIGN=16,
-                ROWS=8, BLOCK=256, COUNT_ERRORS=True, **ROWS_MODE)
-    args.update(scalars)
-    _, spec, _ = binder(**args)
+    _, spec, _ = binder(**launch_args(**scalars))
     return dict(zip(fn.arg_names, spec, strict=True))
+
+
+# Launches that Triton specialises apart from the default one (checked below): kvmove's own
+# key of its compiled kernels (kernels/compiled_launch.py) must tell each of them apart too.
+SPECIALISED_APART = {
+    "src table 8-byte aligned": {"src_table": _TABLE[1:]},
+    "dst table 8-byte aligned": {"dst_table": _TABLE[1:]},
+    "int64 source rows": {"src_rows": _ROWS.long()},
+    "int64 destination rows": {"dst_rows": _ROWS.long()},
+    "int64 counter": {"errors": _ROWS.long()},
+    "a 64-bit n": {"n": 2**31},
+    "64-bit row blocks": {"num_row_blocks": 2**31},
+    "64-bit items": {"num_items": 2**31},
+    "source limit 1": {"src_limit": 1},
+    "source limit 16": {"src_limit": 16},
+    "destination limit 16": {"dst_limit": 16},
+    "source pitch 1": {"src_pitch": 1},
+    "destination pitch 32": {"dst_pitch": 32},
+    "row words 16": {"row_words": 16},
+    "int8 words": {"WORD": tl.int8},
+    "VEC 2": {"VEC": 2},
+    "ALIGN 8": {"ALIGN": 8},
+    "ROWS 16": {"ROWS": 16},
+    "BLOCK 128": {"BLOCK": 128},
+    "no counting": {"COUNT_ERRORS": False},
+    "source page slots": {"SRC_PAGE": 16},
+    "destination page slots": {"DST_PAGE": 16},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECIALISED_APART))
+def test_kvmoves_launch_key_tells_apart_what_triton_specialises_apart(name):
+    from kvmove.kernels.row_copy import _PARAMS, specialisation_key
+
+    change = SPECIALISED_APART[name]
+    assert specialisation(**change) != specialisation(), f"{name}: Triton keys it the same"
+
+    def key(**scalars):
+        args = launch_args(**scalars)
+        return specialisation_key(tuple(args[p] for p in _PARAMS), 0, 4)
+
+    assert key(**change) != key(), f"{name}: kvmove's key misses it"
+    # Calls Triton keys alike (a new batch size, an index slice) keep kvmove's key.
+    assert key(n=17, num_row_blocks=3, num_items=9, src_rows=_ROWS[1:]) == key()
 
 
 def test_per_call_scalars_are_not_specialised():
