@@ -23,9 +23,13 @@ _blocks: dict = {}  # (device index, raw stream) -> [block, next free index]
 
 def new_error_counter(device: torch.device) -> torch.Tensor:
     """A zeroed int32 ``[1]`` counter on ``device``, for the current stream's work."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda":
         return torch.zeros(1, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = torch.cuda.current_device()
+    # Another device than the thread's (its capture state is not the one asked here), or a
+    # capture: a plain counter.
+    if device.index not in (None, index) or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
     key = (index, torch.cuda.current_stream(index).cuda_stream
            if _raw_stream is None else _raw_stream(index))
     with _lock:

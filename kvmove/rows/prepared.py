@@ -18,7 +18,7 @@ import torch
 from kvmove.checks import check_same_geometry
 from kvmove.memory.row_pool import BufferRows, RowPool
 from kvmove.rows import two_hop
-from kvmove.rows.host_indices import to_device
+from kvmove.rows.host_indices import pair_to_device
 from kvmove.rows.launch_config import preferred_backend
 from kvmove.rows.plan import RowPlan, plan_rows
 from kvmove.rows.row_numbers import page_rows
@@ -176,8 +176,8 @@ class PreparedCopy:
                                                   and host_rows is None)
             if direct:
                 if on_device is None:
-                    on_device = (to_device(src_rows, self.device).contiguous(),
-                                 to_device(dst_rows, self.device).contiguous())
+                    on_device = tuple(t.contiguous() for t in
+                                      pair_to_device(src_rows, dst_rows, self.device))
                 launch(part.kernel, *on_device, counter, pages)
             elif part.backend == "two_hop":
                 two_hop.copy_rows_two_hop(part.src, part.dst, list(part.layers), *host_rows,
