@@ -69,7 +69,7 @@ class CompiledLaunches:
         key = (key, *_options())
         kernel = self._kernels.get(key)
         if kernel is None or self._hooked():
-            self._through_triton(key, grid, args, num_warps)
+            self._launch_and_keep(key, grid, args, num_warps)
             return
         if self._stream is None:
             self._stream = driver.active.get_current_stream
@@ -91,7 +91,7 @@ class CompiledLaunches:
                 or _hooked(runtime.launch_exit_hook)
                 or getattr(runtime, "add_stages_inspection_hook", None) is not None)
 
-    def _through_triton(self, key: tuple, grid: int, args: tuple, num_warps: int) -> None:
+    def _launch_and_keep(self, key: tuple, grid: int, args: tuple, num_warps: int) -> None:
         kernel = self.through_triton(self.fn, grid, args, num_warps)
         if not hasattr(kernel, "packed_metadata"):  # the interpreter
             return

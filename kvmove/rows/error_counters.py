@@ -19,6 +19,8 @@ BLOCK = 1024  # counters per block (4 KiB)
 
 _lock = threading.Lock()
 _blocks: dict = {}  # (device index, raw stream) -> [block, next free index]
+# The current stream's handle without making a Stream object (what Triton launches on).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def new_error_counter(device: torch.device) -> torch.Tensor:
@@ -41,7 +43,3 @@ def new_error_counter(device: torch.device) -> torch.Tensor:
         i = entry[1]
         entry[1] = i + 1
         return entry[0][i:i + 1]
-
-
-# The current stream's handle without making a Stream object (what Triton launches on).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
