@@ -13,6 +13,7 @@ pages launches on the caller's indices as they are, with no row list made per ca
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import triton
@@ -110,17 +111,17 @@ def _copy_rows_kernel(
 
 @functools.lru_cache(maxsize=1024)
 def launch_constants(row_bytes: int, src_pitch: int, dst_pitch: int, base_alignment: int,
-                     config: LaunchConfig) -> dict:
+                     config: LaunchConfig) -> types.MappingProxyType:
     """The compile-time constants of a launch (all but ``COUNT_ERRORS`` and the page
     sides): the widest aligned access (``ALIGN`` bytes, ``VEC`` words of ``WORD``),
-    ``ROWS`` and ``BLOCK``. Worked out once per geometry (do not modify the dict)."""
+    ``ROWS`` and ``BLOCK``. Worked out once per geometry, shared: read-only."""
     align = pow2_alignment(row_bytes, src_pitch, dst_pitch, base_alignment)
     word = min(align, 4)
     vec = align // word
     block = max(triton.next_power_of_2(config.block_bytes // word), vec)
     block = min(block, max(triton.next_power_of_2(row_bytes // word), vec))
-    return {"WORD": _WORD_TYPES[word], "VEC": vec, "ALIGN": align, "ROWS": config.rows,
-            "BLOCK": block}
+    return types.MappingProxyType({"WORD": _WORD_TYPES[word], "VEC": vec, "ALIGN": align,
+                                   "ROWS": config.rows, "BLOCK": block})
 
 
 def _kernel_for(device: torch.device):
