@@ -19,6 +19,7 @@ _EXPORTS = {
     "MooncakeStore": "kvmove.store.mooncake_store",
     "PageReceiver": "kvmove.direct.receiver",
     "PageSender": "kvmove.direct.sender",
+    "PendingPut": "kvmove.store.mooncake_store",
     "StagingBuffer": "kvmove.memory.staging",
     "StagingFull": "kvmove.errors",
     "StagingInUse": "kvmove.errors",

@@ -5,10 +5,11 @@ is Mooncake's own 60-s cap per transfer, and a call stuck that long still writes
 or reads from (put) its memory until it returns. So:
 
 - :func:`call_bounded` runs the call on a daemon thread of a :class:`CallRunner` and waits at
-  most ``timeout`` seconds for it. A call that ended gives its value; one that did not is
-  *late*: the caller gives up on it (its keys end ``FAILED``), but its :class:`Future`
-  completes only when the native call has really returned. Memory the call uses must not be
-  freed, reused or handed back before then (``late.add_done_callback``).
+  most ``timeout`` seconds for it (:func:`start_call` starts it, to take the outcome later,
+  still at most ``timeout`` after it started). A call that ended gives its value; one that
+  did not is *late*: the caller gives up on it (its keys end ``FAILED``), but its
+  :class:`Future` completes only when the native call has really returned. Memory the call
+  uses must not be freed, reused or handed back before then (``late.add_done_callback``).
 - :class:`SpanBudget` counts the transfer requests (spans) a client has in flight, all its
   calls together, and releases a call's spans only when that call has really returned, so a
   late call keeps holding its share of the transport's queue.
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallOutcome", "CallRunner", "SpanBudget", "call_bounded", "default_runner",
-           "settled"]
+__all__ = ["CallOutcome", "CallRunner", "SpanBudget", "StartedCall", "call_bounded",
+           "default_runner", "settled", "start_call"]
 
 
 class CallRunner:
@@ -98,22 +99,47 @@ class CallOutcome:
     seconds: float = 0.0
 
 
-def call_bounded(fn: Callable, *args, timeout: float, runner: CallRunner | None = None,
-                 on_return: Callable[[], None] | None = None) -> CallOutcome:
-    """Run ``fn(*args)`` on ``runner`` and wait at most ``timeout`` seconds.
+class StartedCall:
+    """A call running on a runner since ``started`` (``time.monotonic()``), whose outcome is
+    taken later: the caller does other work meanwhile."""
+
+    __slots__ = ("future", "started")
+
+    def __init__(self, future: Future, started: float):
+        self.future = future
+        self.started = started
+
+    def outcome(self, timeout: float) -> CallOutcome:
+        """Wait until at most ``timeout`` seconds after the call started (not after this
+        wait began); a call still running then is late."""
+        future, t0 = self.future, self.started
+        try:
+            value = future.result(max(0.0, timeout - (time.monotonic() - t0)))
+        except FutureTimeout:
+            return CallOutcome(False, late=future, seconds=time.monotonic() - t0)
+        except Exception as e:
+            return CallOutcome(True, error=e, seconds=time.monotonic() - t0)
+        return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
+
+
+def start_call(fn: Callable, *args, runner: CallRunner | None = None,
+               on_return: Callable[[], None] | None = None) -> StartedCall:
+    """Start ``fn(*args)`` on ``runner``; :meth:`StartedCall.outcome` waits for it, bounded.
     ``on_return`` runs when the call has really returned, in time or late (e.g. to release
     its spans)."""
     t0 = time.monotonic()
     future = (runner or _RUNNER).submit(fn, *args)
     if on_return is not None:
         future.add_done_callback(lambda _f: on_return())
-    try:
-        value = future.result(max(0.0, timeout))
-    except FutureTimeout:
-        return CallOutcome(False, late=future, seconds=time.monotonic() - t0)
-    except Exception as e:
-        return CallOutcome(True, error=e, seconds=time.monotonic() - t0)
-    return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
+    return StartedCall(future, t0)
+
+
+def call_bounded(fn: Callable, *args, timeout: float, runner: CallRunner | None = None,
+                 on_return: Callable[[], None] | None = None) -> CallOutcome:
+    """Run ``fn(*args)`` on ``runner`` and wait at most ``timeout`` seconds.
+    ``on_return`` runs when the call has really returned, in time or late (e.g. to release
+    its spans)."""
+    return start_call(fn, *args, runner=runner, on_return=on_return).outcome(timeout)
 
 
 def settled(futures: Iterable[Future | None]) -> Future | None:

@@ -132,9 +132,11 @@ from kvmove.status import (
 from kvmove.store.bounded_call import (
     CallOutcome,
     SpanBudget,
+    StartedCall,
     call_bounded,
     default_runner,
     settled,
+    start_call,
 )
 from kvmove.store.config import DEFAULT_TENANT_ID, StoreConfig
 from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster
@@ -144,7 +146,7 @@ from kvmove.store.transport_limits import limits_for, prepare_environment
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EMBEDDED_DEFAULTS", "MooncakeStore", "StoreResult"]
+__all__ = ["EMBEDDED_DEFAULTS", "MooncakeStore", "PendingPut", "StoreResult"]
 
 
 # What embedded() sets unless overridden: a TCP client of the private master.
@@ -557,23 +559,31 @@ class MooncakeStore:
         """The current client, counted as a user of it until the block ends: a put/get of
         several chunks keeps using the client it started with even if it is replaced
         meanwhile, so a retired client is closed only once its last user is done."""
-        users = self._state.users
+        client = self._take_client()
+        try:
+            yield client
+        finally:
+            self._drop_client(client)
+
+    def _take_client(self):
+        """The current client, counted as a user (and a call in flight, which ``close()``
+        waits for) until :meth:`_drop_client`."""
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store at {self.address} is closed")
             self._in_flight += 1
             client = self._client
-            users[id(client)] += 1
-        try:
-            yield client
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._lock.notify_all()
-                last = not _count_down(users, id(client)) and client is not self._client
-            if last:  # of a retired client
-                self._finish_if_unused(client)
+            self._state.users[id(client)] += 1
+        return client
+
+    def _drop_client(self, client) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._lock.notify_all()
+            last = not _count_down(self._state.users, id(client)) and client is not self._client
+        if last:  # of a retired client
+            self._finish_if_unused(client)
 
     def close(self) -> None:
         """Wait for calls in flight, unregister every region, close the client and stop the
@@ -765,10 +775,19 @@ class MooncakeStore:
                             getattr(fn, "__name__", "call"), budget.in_flight, budget.limit,
                             timeout)
                 return CallOutcome(False, seconds=time.monotonic() - t0)
-        outcome = call_bounded(fn, *args, timeout=timeout,
-                               on_return=(lambda: budget.release(taken)) if taken else None)
+        started = start_call(fn, *args,
+                             on_return=(lambda: budget.release(taken)) if taken else None)
+        return self._outcome(fn, started, spans, timeout)
+
+    def _outcome(self, fn: Callable, started: StartedCall, spans: int = 0,
+                 timeout: float | None = None) -> CallOutcome:
+        """The outcome of a Mooncake call :meth:`_bounded` (or a query started early)
+        started, waited for until ``timeout`` after its start; a call given up is logged,
+        and its client replaced where it moves data."""
+        timeout = self.config.call_timeout if timeout is None else timeout
+        outcome = started.outcome(timeout)
         if not outcome.done:
-            self._given_up(fn, client, outcome.late, spans, timeout)
+            self._given_up(fn, getattr(fn, "__self__", None), outcome.late, spans, timeout)
         return outcome
 
     def _given_up(self, fn: Callable, client, late, spans: int, timeout: float) -> None:
@@ -883,6 +902,12 @@ class MooncakeStore:
         for a different number of keys."""
         data = getattr(fn, "__name__", "") in _DATA_CALLS
         outcome = self._bounded(fn, keys, *args, spans=sum(map(len, args[0])) if data else 0)
+        return self._batch_codes(fn, keys, outcome, data)
+
+    @staticmethod
+    def _batch_codes(fn: Callable, keys: list[str], outcome: CallOutcome, data: bool
+                     ) -> list[int]:
+        """The per-key codes of a batch call's ``outcome`` (see :meth:`_batch`)."""
         if not outcome.done:
             return _Codes([CALL_TIMEOUT] * len(keys), outcome.late if data else None)
         if outcome.error is not None:
@@ -989,41 +1014,79 @@ class MooncakeStore:
         is reported ``OK`` (Mooncake keeps the stored object either way)."""
         desc = self._check_desc(desc)
         check = self.config.detect_exists if detect_exists is None else bool(detect_exists)
-        with self._call_slot() as client, self._using(client, desc) as uses:
-            codes = self._chunked(self._span_chunks(desc),
-                                  lambda c: self._put_chunk(client, desc[c], check))
+        with self._call_slot() as client:
+            return self._put(client, desc, check, None)
+
+    def begin_put(self, keys: Sequence[str], *, detect_exists: bool | None = None
+                  ) -> PendingPut:
+        """Start a put of ``keys`` whose descriptors are not made yet: the master is asked
+        which of them exist (``detect_exists``, as :meth:`put`) now, on a background
+        thread, while the caller makes the descriptors; ``PendingPut.put(desc)`` then
+        sends the others. Use it as a context manager: it holds a client until it ends.
+        The check is started early for up to ``config.max_batch_keys`` keys (a longer
+        put checks per call, as :meth:`put` does). Raises :class:`StoreError` when the
+        store is closed."""
+        keys = check_keys(keys, unique=False)
+        check = self.config.detect_exists if detect_exists is None else bool(detect_exists)
+        client = self._take_client()
+        try:
+            early = check and 0 < len(keys) <= self.config.max_batch_keys
+            query = start_call(client.batch_is_exist, keys) if early else None
+        except BaseException:
+            self._drop_client(client)
+            raise
+        return PendingPut(self, client, keys, check, query)
+
+    def _put(self, client, desc: Descriptors, check: bool, flags: list[int] | None
+             ) -> StoreResult:
+        """A put on ``client``; ``flags``: the exists check's answer for ``desc``'s keys,
+        when it was asked already (a check that stops the call ends every key with its
+        code, nothing sent)."""
+        with self._using(client, desc) as uses:
+            if flags is not None and _stops_the_call(flags):
+                codes = _Codes(flags)
+            else:
+                codes = self._chunked(self._span_chunks(desc), lambda c: self._put_chunk(
+                    client, desc[c], check, None if flags is None else flags[c]))
             uses.late = codes.late
         statuses = [Status.OK] * len(codes) if not any(codes) else map(_put_status, codes)
         result = StoreResult(statuses, codes, uses.late, _stored_late(codes.late_puts, uses.late))
         self._log_outcome("put", desc.keys, result)
         return result
 
-    def _put_chunk(self, client, part: Descriptors, detect_exists: bool) -> list[int]:
-        codes: list[int | None] = [None] * len(part)
+    def _put_chunk(self, client, part: Descriptors, detect_exists: bool,
+                   flags: list[int] | None = None) -> list[int]:
         if detect_exists:
-            flags = self._batch(client.batch_is_exist, part.keys)
+            if flags is None:
+                flags = self._batch(client.batch_is_exist, part.keys)
             if _stops_the_call(flags):
                 return flags
-            for i in [i for i, flag in enumerate(flags) if flag == 1]:
-                codes[i] = OBJECT_ALREADY_EXISTS
-        todo = [i for i, c in enumerate(codes) if c is None]
+        codes: list[int | None] | None = None  # None: no key answered yet, all to put
+        todo: list[int] | None = None  # the keys to put; None: every key
+        if detect_exists and 1 in flags:
+            codes = [OBJECT_ALREADY_EXISTS if flag == 1 else None for flag in flags]
+            todo = [i for i, c in enumerate(codes) if c is None]
         late, late_puts = [], []
         for attempt in range(2):
-            if not todo:
+            if todo is not None and not todo:
                 break
-            sub = part if len(todo) == len(part) else part.select(todo)
+            sub = part if todo is None else part.select(todo)
             result = self._batch(client.batch_put_from_multi_buffers, sub.keys, sub.ptrs,
                                  sub.sizes, self._replicate)
             late.append(getattr(result, "late", None))
             if late[-1] is not None:
                 late_puts.append((list(sub.keys), late[-1]))
-            for i, code in zip(todo, result, strict=True):
-                codes[i] = code
+            if todo is None:
+                codes = list(result)
+            else:
+                for i, code in zip(todo, result, strict=True):
+                    codes[i] = code
             # Once more for a lease that expired mid-transfer, and for a transfer that failed
             # (a replica placed on a holder that died: the master may pick a live one now;
             # a failed put leaves no object behind).
-            todo = [i for i in todo if codes[i] in (LEASE_EXPIRED, TRANSFER_FAIL)] \
-                if attempt == 0 else []
+            if attempt or (LEASE_EXPIRED not in result and TRANSFER_FAIL not in result):
+                break
+            todo = [i for i, c in enumerate(codes) if c in (LEASE_EXPIRED, TRANSFER_FAIL)]
         return _Codes(codes, settled(late), late_puts)
 
     def get(self, desc: Descriptors) -> StoreResult:
@@ -1270,3 +1333,63 @@ class MooncakeStore:
                         ", ".join(f"{k} x{v}" for k, v in names.items()), keys[failed[0]])
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("%s of %d keys: %s", op, len(keys), result.summary())
+
+
+class PendingPut:
+    """A put begun by :meth:`MooncakeStore.begin_put`: its exists check runs while the
+    caller makes the descriptors. :meth:`put` may be called for any of its keys (in any
+    order, a subset too); leaving the ``with`` block (or :meth:`close`) lets its client go,
+    after waiting, bounded, for a check no put collected."""
+
+    def __init__(self, store: MooncakeStore, client, keys: list[str], check: bool,
+                 query: StartedCall | None):
+        self._store = store
+        self._client = client
+        self.keys = keys
+        self._check = check
+        self._query = query
+        self._flags: list[int] | None = None
+        self._closed = False
+
+    def _answer(self) -> list[int] | None:
+        """The exists check's codes for :attr:`keys` (taken once), or None when it was not
+        started early."""
+        if self._query is not None and self._flags is None:
+            fn = self._client.batch_is_exist
+            self._flags = self._store._batch_codes(fn, self.keys, self._store._outcome(
+                fn, self._query), data=False)
+        return self._flags
+
+    def put(self, desc: Descriptors) -> StoreResult:
+        """:meth:`MooncakeStore.put` of ``desc``, whose keys must be among :attr:`keys`."""
+        if self._closed:
+            raise StoreError("put() of a PendingPut that has ended")
+        desc = self._store._check_desc(desc)
+        flags = self._answer()
+        if flags is not None and desc.keys != self.keys:
+            where = {k: i for i, k in enumerate(self.keys)}
+            missing = next((k for k in desc.keys if k not in where), None)
+            if missing is not None:
+                raise ValueError(f"desc holds key {missing!r}, which this PendingPut was not "
+                                 f"begun with")
+            flags = [flags[where[k]] for k in desc.keys]
+        return self._store._put(self._client, desc, self._check, flags)
+
+    def close(self) -> None:
+        """Let the client go (idempotent), once the exists check has returned or was given
+        up (bounded by ``call_timeout``)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._answer()
+        except StoreError as e:  # a broken answer no put asked for
+            log.warning("exists check of a put begun and not made: %s", e)
+        finally:
+            self._store._drop_client(self._client)
+
+    def __enter__(self) -> PendingPut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

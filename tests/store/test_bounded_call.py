@@ -16,7 +16,13 @@ import torch
 import kvmove
 from kvmove import Status
 from kvmove.status import CALL_TIMEOUT
-from kvmove.store.bounded_call import CallRunner, SpanBudget, call_bounded, settled
+from kvmove.store.bounded_call import (
+    CallRunner,
+    SpanBudget,
+    call_bounded,
+    settled,
+    start_call,
+)
 from tests.support.caches import make_layers, snapshot
 from tests.support.holder import Holder
 from tests.support.store_state import regions_in_use, registered_regions
@@ -39,6 +45,23 @@ def test_a_call_past_its_bound_is_late_and_completes_when_it_returns():
     assert out.late.result(5) is True
     assert returned == [1]
     assert settled([out.late]) is None
+
+
+def test_a_started_call_is_bounded_from_its_start_not_from_the_wait():
+    release = threading.Event()
+    started = start_call(release.wait, 30)
+    time.sleep(0.2)  # the caller works meanwhile, longer than the bound
+    t0 = time.monotonic()
+    out = started.outcome(0.1)
+    assert time.monotonic() - t0 < 0.05  # no wait left: late at once
+    assert not out.done and out.late is started.future and out.seconds >= 0.2
+    release.set()
+    assert out.late.result(5) is True
+    quick = start_call(lambda x: x + 1, 1)
+    quick.future.result(5)
+    time.sleep(0.1)
+    out = quick.outcome(0.05)  # ended in time, taken after the bound passed
+    assert out.done and out.value == 2
 
 
 def test_errors_are_returned_and_settled_joins_several():
