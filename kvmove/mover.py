@@ -515,15 +515,36 @@ class KVMover:
             event.record(self._evict_stream)
         return event
 
-    def _describe(self, slots: torch.Tensor, keys: list[str], valid: np.ndarray) -> Descriptors:
-        """The objects' descriptors; with checksums, each ends with its slot's trailer."""
-        desc = describe_trusted(self.staging, slots.numpy(), self.keyspace.store_keys(keys),
-                                valid)
+    def _describe(self, slots: torch.Tensor, store_keys: list[str], valid: np.ndarray
+                  ) -> Descriptors:
+        """The objects' descriptors (``store_keys``: the keys as stored, see
+        :class:`~kvmove.keys.KeySpace`); with checksums, each ends with its slot's
+        trailer."""
+        desc = describe_trusted(self.staging, slots.numpy(), store_keys, valid)
         if self._checksum is None or len(desc) == 0:
             return desc
         trailer = self.staging.trailer
         return desc.with_trailer((slots * trailer.shape[1] + trailer.data_ptr()).tolist(),
                                  trailer.shape[1])
+
+    @contextlib.contextmanager
+    def _begin_put(self, store_keys: list[str]):
+        """A put of ``store_keys`` whose exists check starts now, while the descriptors are
+        made (``MooncakeStore.begin_put``): yields the put to call with them. A store
+        without ``begin_put``, or one that cannot begin (closed), yields its plain ``put``,
+        whose failure then ends the keys' statuses as any put's does."""
+        begin = getattr(self.store, "begin_put", None)
+        pending = None
+        if begin is not None:
+            try:
+                pending = begin(store_keys)
+            except Exception as e:
+                log.debug("begin_put of %d keys: %s; a plain put follows", len(store_keys), e)
+        if pending is None:
+            yield self.store.put
+            return
+        with pending:
+            yield pending.put
 
     def _submit(self, fn, *args, executor=None) -> Future:
         """Queue a background job, unless the mover was closed meanwhile (then the caller
@@ -563,21 +584,26 @@ class KVMover:
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         late = None
         try:
-            if gathered is not None:
-                gathered.synchronize()
-            bad = piece.bad_on_host()
-            good = _stored_keys(bad, n)
-            self._zero_padding(piece, slots)
-            kept = slots if bad is None else slots[torch.from_numpy(good)]
-            valid = piece.valid[good]
-            if self._checksum is not None:
+            store_keys = self.keyspace.store_keys(piece.keys)
+            # the master answers which keys exist while the gather ends and the put is made
+            with self._begin_put(store_keys) as put:
+                if gathered is not None:
+                    gathered.synchronize()
+                bad = piece.bad_on_host()
+                good = _stored_keys(bad, n)
+                self._zero_padding(piece, slots)
+                kept = slots if bad is None else slots[torch.from_numpy(good)]
+                valid = piece.valid[good]
+                if self._checksum is not None:
+                    t0 = time.perf_counter()
+                    self._checksum.write(kept, torch.from_numpy(valid))
+                    times.gather += time.perf_counter() - t0
+                if bad is not None:
+                    store_keys = [store_keys[i] for i in good.tolist()]
+                desc = self._describe(kept, store_keys, valid)
                 t0 = time.perf_counter()
-                self._checksum.write(kept, torch.from_numpy(valid))
-                times.gather += time.perf_counter() - t0
-            desc = self._describe(kept, [piece.keys[i] for i in good.tolist()], valid)
-            t0 = time.perf_counter()
-            got, got_codes, late, _ = self._store_call(self.store.put, desc)
-            times.put = time.perf_counter() - t0
+                got, got_codes, late, _ = self._store_call(put, desc)
+                times.put = time.perf_counter() - t0
             for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
                 statuses[i], codes[i] = st, code
         finally:
@@ -638,7 +664,7 @@ class KVMover:
                    ) -> tuple[TransferResult, object]:
         times = StageTimes()
         t0 = time.perf_counter()
-        desc = self._describe(slots, piece.keys, piece.valid)
+        desc = self._describe(slots, self.keyspace.store_keys(piece.keys), piece.valid)
         statuses, codes, given_up, _ = self._store_call(self.store.get, desc)
         late.append(given_up)  # a get given up may still write into these slots
         if self._checksum is not None:
@@ -770,15 +796,19 @@ class KVMover:
                     self._inline_done.notify_all()
 
     def _put_in_place(self, call: Call) -> TransferResult:
+        store_keys = self.keyspace.store_keys(call.keys)
+        with self._begin_put(store_keys) as put:
+            return self._put_in_place_with(call, store_keys, put)
+
+    def _put_in_place_with(self, call: Call, store_keys: list[str], put) -> TransferResult:
         n = len(call.keys)
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         pages, bad = self._host_pages(call, self._evict_stream)
         good = _stored_keys(bad, n)
         if bad is not None:
             pages = pages[good]
-        desc = self._evict_rows.describe_trusted(
-            pages, self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
-            call.valid[good], get=False)
+            store_keys = [store_keys[i] for i in good.tolist()]
+        desc = self._evict_rows.describe_trusted(pages, store_keys, call.valid[good], get=False)
         pending = self._late_keys
         if pending:  # a put of these keys given up earlier may still store them
             held = np.fromiter((k in pending for k in desc.keys), dtype=bool, count=len(desc))
@@ -790,7 +820,7 @@ class KVMover:
                 good = good[~held]
                 desc = desc.select(np.flatnonzero(~held).tolist())
         t0 = time.perf_counter()
-        got, got_codes, _, late_stored = self._store_call(self.store.put, desc)
+        got, got_codes, _, late_stored = self._store_call(put, desc)
         times = StageTimes(put=time.perf_counter() - t0)
         if len(got) == n:  # every key was put
             statuses, codes = got, got_codes

@@ -108,13 +108,24 @@ def test_partial_pages_round_trip_with_valid_tokens(make_mover, keyspace):
         assert torch.equal(kv.layer("kv", layer)[14:16], before["kv"][layer][14:16])
 
 
-def test_second_evict_of_a_key_reports_exists_and_keeps_the_first_object(make_mover, keyspace):
+@pytest.mark.parametrize("path", ["staged", "in_place"])
+@pytest.mark.parametrize("begin_put", [True, False], ids=["begin_put", "plain_put"])
+def test_second_evict_of_a_key_reports_exists_and_keeps_the_first_object(
+        make_mover, keyspace, monkeypatch, path, begin_put):
     kv = kvmove.KVCache(GEOMETRIES["mla"](16))
-    mover = make_mover(kv)
+    mover = make_mover(kv, path=path)
+    begun = []
+    if begin_put:  # the exists check starts before the descriptors are made
+        real = mover.store.begin_put
+        monkeypatch.setattr(mover.store, "begin_put",
+                            lambda keys: begun.append(list(keys)) or real(keys))
+    else:  # a store without begin_put: its put checks
+        monkeypatch.setattr(mover.store, "begin_put", None)
     key = keyspace(1)
     first = [kv.layer("kv", layer)[0:4].clone() for layer in range(4)]
     assert mover.evict(key, torch.tensor([[0, 1, 2, 3]])).wait(30) == [kvmove.Status.OK]
     assert mover.evict(key, torch.tensor([[4, 5, 6, 7]])).wait(30) == [kvmove.Status.EXISTS]
+    assert begun == ([mover.keyspace.store_keys(key)] * 2 if begin_put else [])
     assert mover.prefetch(key, torch.tensor([[8, 9, 10, 11]])).wait(30) == [kvmove.Status.OK]
     for layer in range(4):
         assert torch.equal(kv.layer("kv", layer)[8:12], first[layer])
@@ -272,6 +283,7 @@ def test_a_later_piece_without_slots_fails_its_keys_and_keeps_the_rows(make_move
         return real_put(desc)
 
     monkeypatch.setattr(mover.store, "put", stalled_put)
+    monkeypatch.setattr(mover.store, "begin_put", None)  # the mover's puts go through put
     try:
         t = mover.evict(keyspace(3), torch.arange(12).reshape(3, 4))
     finally:
