@@ -528,12 +528,12 @@ class KVMover:
                                  trailer.shape[1])
 
     @contextlib.contextmanager
-    def _begin_put(self, store_keys: list[str]):
+    def _begin_put(self, store_keys: list[str], *, early: bool = True):
         """A put of ``store_keys`` whose exists check starts now, while the descriptors are
-        made (``MooncakeStore.begin_put``): yields the put to call with them. A store
-        without ``begin_put``, or one that cannot begin (closed), yields its plain ``put``,
-        whose failure then ends the keys' statuses as any put's does."""
-        begin = getattr(self.store, "begin_put", None)
+        made (``MooncakeStore.begin_put``): yields the put to call with them. Not
+        ``early``, a store without ``begin_put``, or one that cannot begin (closed): yields
+        its plain ``put``, whose failure then ends the keys' statuses as any put's does."""
+        begin = getattr(self.store, "begin_put", None) if early else None
         pending = None
         if begin is not None:
             try:
@@ -797,7 +797,10 @@ class KVMover:
 
     def _put_in_place(self, call: Call) -> TransferResult:
         store_keys = self.keyspace.store_keys(call.keys)
-        with self._begin_put(store_keys) as put:
+        # While an in-place put given up may still store keys (removed once it returns, see
+        # _forget_when_done), an early check could answer EXISTS for one removed before
+        # this put: then the check is made in the put, after the held keys are left out.
+        with self._begin_put(store_keys, early=not self._late_keys) as put:
             return self._put_in_place_with(call, store_keys, put)
 
     def _put_in_place_with(self, call: Call, store_keys: list[str], put) -> TransferResult:

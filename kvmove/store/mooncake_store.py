@@ -1339,7 +1339,13 @@ class PendingPut:
     """A put begun by :meth:`MooncakeStore.begin_put`: its exists check runs while the
     caller makes the descriptors. :meth:`put` may be called for any of its keys (in any
     order, a subset too); leaving the ``with`` block (or :meth:`close`) lets its client go,
-    after waiting, bounded, for a check no put collected."""
+    after waiting, bounded, for a check no put collected. It must be closed:
+    ``store.close()`` waits for it. Its calls may come from any thread, one at a time
+    (a ``close`` waits for a ``put`` in progress).
+
+    The check answers for the moment it ran: a key removed (or evicted by the master)
+    between the check and the put ends ``EXISTS`` unsent, as a key removed just after a
+    put would be gone too."""
 
     def __init__(self, store: MooncakeStore, client, keys: list[str], check: bool,
                  query: StartedCall | None):
@@ -1350,43 +1356,50 @@ class PendingPut:
         self._query = query
         self._flags: list[int] | None = None
         self._closed = False
+        self._lock = threading.Lock()
 
     def _answer(self) -> list[int] | None:
         """The exists check's codes for :attr:`keys` (taken once), or None when it was not
-        started early."""
-        if self._query is not None and self._flags is None:
+        started early. The caller holds ``_lock``."""
+        query, self._query = self._query, None
+        if query is not None:
             fn = self._client.batch_is_exist
-            self._flags = self._store._batch_codes(fn, self.keys, self._store._outcome(
-                fn, self._query), data=False)
+            self._flags = self._store._batch_codes(fn, self.keys,
+                                                   self._store._outcome(fn, query), data=False)
         return self._flags
 
     def put(self, desc: Descriptors) -> StoreResult:
-        """:meth:`MooncakeStore.put` of ``desc``, whose keys must be among :attr:`keys`."""
-        if self._closed:
-            raise StoreError("put() of a PendingPut that has ended")
+        """:meth:`MooncakeStore.put` of ``desc``, whose keys must be among :attr:`keys`
+        (else ``ValueError``, before anything is sent)."""
         desc = self._store._check_desc(desc)
-        flags = self._answer()
-        if flags is not None and desc.keys != self.keys:
+        where = None
+        if desc.keys != self.keys:
             where = {k: i for i, k in enumerate(self.keys)}
             missing = next((k for k in desc.keys if k not in where), None)
             if missing is not None:
                 raise ValueError(f"desc holds key {missing!r}, which this PendingPut was not "
                                  f"begun with")
-            flags = [flags[where[k]] for k in desc.keys]
-        return self._store._put(self._client, desc, self._check, flags)
+        with self._lock:
+            if self._closed:
+                raise StoreError("put() of a PendingPut that has ended")
+            flags = self._answer()
+            if flags is not None and where is not None:
+                flags = [flags[where[k]] for k in desc.keys]
+            return self._store._put(self._client, desc, self._check, flags)
 
     def close(self) -> None:
         """Let the client go (idempotent), once the exists check has returned or was given
         up (bounded by ``call_timeout``)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._answer()
-        except StoreError as e:  # a broken answer no put asked for
-            log.warning("exists check of a put begun and not made: %s", e)
-        finally:
-            self._store._drop_client(self._client)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._answer()
+            except StoreError as e:  # a broken answer no put asked for
+                log.warning("exists check of a put begun and not made: %s", e)
+            finally:
+                self._store._drop_client(self._client)
 
     def __enter__(self) -> PendingPut:
         return self

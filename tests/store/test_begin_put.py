@@ -58,6 +58,9 @@ def test_begin_put_refuses_a_key_it_was_not_begun_with_before_sending(store, key
     keys = keyspace(2)
     with store.begin_put(keys[:1]) as pending, pytest.raises(ValueError, match=repr(keys[1])):
         pending.put(kvmove.describe(staging, [0, 1], keys))
+    with store.begin_put(keys[:1], detect_exists=False) as pending, \
+            pytest.raises(ValueError, match=repr(keys[1])):  # with no check begun too
+        pending.put(kvmove.describe(staging, [0, 1], keys))
     assert store.exists(keys) == [False, False]
     with pytest.raises(kvmove.StoreError, match="ended"):
         pending.put(kvmove.describe(staging, [0], keys[:1]))
