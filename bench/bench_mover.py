@@ -2,7 +2,9 @@
 ``KVMover.prefetch`` (get + scatter) of a DSA-like hybrid cache (kv 656-byte rows and an
 indexer of 132-byte rows per layer), against the sum of their parts measured in the same run
 (``gather`` alone, ``store.put`` alone, ...), the raw contiguous Mooncake put/get of the same
-bytes, and the mover with end-to-end checksums on (its overhead).
+bytes, the mover with end-to-end checksums on (its overhead), and the mover on a store without
+``begin_put`` (the exists check inside the put, not started while the gather ends and the
+descriptors are made).
 
     python -m bench.bench_mover                  # table
     python -m bench.bench_mover --json out.json  # and the figures as JSON
@@ -38,6 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class PlainPutStore:
+    """The store without ``begin_put``: a mover on it puts plainly, the exists check made
+    inside the put."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        if name == "begin_put":
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+
 def make_cache(args) -> kvmove.KVCache:
     slots = 2 * args.pages * args.page_tokens
     g = torch.Generator().manual_seed(0)
@@ -67,6 +82,7 @@ def run(args) -> dict:
                                        key_prefix="bench", checksum=True),
         }
         plain = movers["plain"]
+        plain_put = PlainPutStore(store)
         object_bytes = plain.staging.object_bytes
         total = n * object_bytes
         # The raw baseline: the same bytes, one contiguous span per key.
@@ -77,8 +93,22 @@ def run(args) -> dict:
         raw_src = [flat.data_ptr() + i * object_bytes for i in range(n)]
         raw_dst = [flat_back.data_ptr() + i * object_bytes for i in range(n)]
         sizes = [object_bytes] * n
+        def evict_with_plain_put(put_keys):
+            """The plain mover's evict with its store's begin_put hidden (the one
+            difference): the exists check made inside the put."""
+            plain.store = plain_put
+            try:
+                statuses = timed("evict (check in put)",
+                                 lambda: plain.evict(put_keys, src).wait())
+            finally:
+                plain.store = store
+            assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
+
         for r in range(args.repeat + 1):  # the first round warms up and is dropped
             keys = [f"{uuid.uuid4().hex[:10]}-{i}" for i in range(n)]
+            put_keys = [f"put-{k}" for k in keys]
+            if r % 2:  # before the plain mover's own evict by turns
+                evict_with_plain_put(put_keys)
             for name, mover in movers.items():
                 statuses = timed(f"evict ({name})",
                                  lambda m=mover, k=keys: m.evict(k, src).wait())
@@ -86,6 +116,8 @@ def run(args) -> dict:
                 statuses = timed(f"prefetch ({name})",
                                  lambda m=mover, k=keys: m.prefetch(k, dst).wait())
                 assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
+            if not r % 2:
+                evict_with_plain_put(put_keys)
             # The parts of the plain path, on the plain mover's staging.
             slots = plain.staging.alloc(n)
             try:
@@ -105,9 +137,12 @@ def run(args) -> dict:
             assert codes == sizes
             for m in movers.values():
                 store.remove(m.keyspace.store_keys(keys), force=True)
+            store.remove(plain.keyspace.store_keys(put_keys), force=True)
             store.remove(part_keys + raw_keys, force=True)
             if r == 0:
                 samples.clear()
+        path = {"evict": plain.path_choice.evict, "prefetch": plain.path_choice.prefetch,
+                "why": plain.path_choice.reason}
         for m in movers.values():
             m.close()
     gbps = {k: total / statistics.median(v) / 1e9 for k, v in samples.items()}
@@ -118,6 +153,7 @@ def run(args) -> dict:
         / 1e9
     return {
         "device": args.device, "layers": args.layers, "page_tokens": p, "pages": n,
+        "path": path,
         "object_bytes": object_bytes, "total_bytes": total, "repeats": args.repeat,
         "median_GBps": gbps,
         "ratios": {
@@ -128,6 +164,8 @@ def run(args) -> dict:
             "evict with checksum / without": gbps["evict (checksum)"] / gbps["evict (plain)"],
             "prefetch with checksum / without":
                 gbps["prefetch (checksum)"] / gbps["prefetch (plain)"],
+            "evict, exists check begun early / in the put":
+                gbps["evict (plain)"] / gbps["evict (check in put)"],
         },
     }
 
@@ -147,6 +185,10 @@ def report(result: dict, console: Console) -> None:
     for name, value in result["ratios"].items():
         ratios.add_row(name, f"{value:.2f}x")
     console.print(ratios)
+    path = result.get("path")
+    if path:
+        console.print(f"the movers' path: evict {path['evict']}, prefetch {path['prefetch']} "
+                      f"({path['why']})")
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,9 @@
 #   4. the GPU benchmark (bench/bench_gpu.py): vs bulk pinned copies, vs one cudaMemcpyAsync
 #      per page, matmul slowdown beside gathers, copy engine vs kernel; its goals are reported
 #      in the verdict (measurements, not failures); a refused batch there is a failure.
-#   With --full, also the kernel benchmarks and the per-call cost (bench.run_all --quick
-#   --only kernels calls), which take a few minutes more.
+#   With --full, also the kernel benchmarks, the per-call cost and the mover end to end
+#   (bench.run_all --quick --only kernels calls mover; the mover's needs Mooncake), which
+#   take a few minutes more.
 #
 #   scripts/gpu_check.sh [--full] [OUT_DIR]   # OUT_DIR: $OUT if set,
 #                                             # else bench/results/gpu-check
@@ -165,7 +166,7 @@ step "tuning" 90 "$py" -m kvmove.cli tune --quick --time-limit 50 --row-bytes 65
 step "GPU benchmark" 180 "$py" -m bench.bench_gpu --quick --json "$out/bench_gpu-$gpu.json" \
   --paths-out "$out/paths-$gpu.json"
 if [ "$full" -eq 1 ]; then
-  step "kernel benchmarks" 240 "$py" -m bench.run_all --quick --only kernels calls --out "$out" --no-plot
+  step "kernel benchmarks" 240 "$py" -m bench.run_all --quick --only kernels calls mover --out "$out" --no-plot
 fi
 
 say "files in $out:"

@@ -163,10 +163,11 @@ def test_mover_benchmark_runs_end_to_end(tmp_path):
                              "--pages", "4", "--repeat", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     for name in ("evict (plain)", "prefetch (plain)", "gather", "describe", "store.put",
-                 "store.get", "scatter", "raw put", "raw get"):
+                 "store.get", "scatter", "raw put", "raw get", "evict (check in put)"):
         assert result["median_GBps"][name] > 0, name
     assert set(result["ratios"]) >= {"evict / (gather, describe, put)",
-                                     "prefetch / (describe, get, scatter)"}
+                                     "prefetch / (describe, get, scatter)",
+                                     "evict, exists check begun early / in the put"}
 
 
 @pytest.mark.store
