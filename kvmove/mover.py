@@ -128,8 +128,10 @@ class KVMover:
     an earlier mover of the same kind); staged for pages of several tokens. ``mover.path``
     says which (``"mixed"`` where the directions differ: ``mover.path_choice.evict`` /
     ``.prefetch``, and why in ``.reason``). Objects, keys and statuses are the same on both
-    paths. In place, ``evict`` returns once the put has read the rows (CPU; on CUDA
-    ``gathered`` completes then), a prefetch lands every layer at once, and a ``FAILED``
+    paths. In place, ``evict`` returns once the put has read the rows (CPU; on CUDA, or with
+    ``put_in_background=True``, it returns at once and ``gathered`` completes then: an
+    engine that holds the rows until then, as vLLM holds a saved block's, keeps stepping),
+    a prefetch lands every layer at once, and a ``FAILED``
     key whose transfer broke mid-way may leave part of its object in its own rows (MISS and
     SIZE_MISMATCH never write). So ``auto`` keeps prefetches staged (a failed prefetch
     leaves the rows untouched) unless ``prefetch_into_free_rows=True`` says that the rows a
@@ -155,6 +157,7 @@ class KVMover:
         layout: str = "layer_first",
         path: str = "auto",
         prefetch_into_free_rows: bool = False,
+        put_in_background: bool = False,
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
@@ -166,6 +169,9 @@ class KVMover:
         if not isinstance(prefetch_into_free_rows, bool):
             raise TypeError(f"prefetch_into_free_rows must be a bool, got "
                             f"{prefetch_into_free_rows!r}")
+        if not isinstance(put_in_background, bool):
+            raise TypeError(f"put_in_background must be a bool, got {put_in_background!r}")
+        self.put_in_background = put_in_background
         # Every argument is checked before anything is registered with the store or probed.
         check_positive_int(page_tokens, "page_tokens")
         check_positive_int(staging_slots, "staging_slots")
@@ -767,9 +773,10 @@ class KVMover:
     def _evict_in_place(self, call: Call, transfer: Transfer) -> Transfer:
         """Put the pages straight from the KV rows. On the CPU the put runs here: ``evict``
         returns once the store has read the rows (so, as on the staged path, the engine may
-        overwrite them then). On CUDA it runs in the background after the caller's work,
-        and ``transfer.gathered`` completes when it ends."""
-        if self.device.type != "cuda":
+        overwrite them then). On CUDA, or with ``put_in_background``, it runs in the
+        background (after the caller's work), and ``transfer.gathered`` completes when it
+        ends."""
+        if self.device.type != "cuda" and not self.put_in_background:
             with self._inline_run() as allowed:
                 if not allowed:
                     raise KVMoveError("the KVMover is closed")

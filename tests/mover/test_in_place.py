@@ -8,6 +8,7 @@ in place cannot hold."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -251,6 +252,37 @@ def test_in_place_evict_returns_once_the_rows_are_read(store, keyspace):
         assert t.done() and t.gathered.query()
         scribble(kv, src.reshape(-1))  # the engine reuses the rows at once
         assert t.wait(0) == [Status.OK] * 2
+        assert m.prefetch(keys, torch.arange(16, 24).reshape(2, 4)).wait(30) == [Status.OK] * 2
+        assert rows_bytes(kv, torch.arange(16, 24)) == want
+
+
+def test_an_in_place_put_in_the_background_returns_at_once(store, keyspace, monkeypatch):
+    """``put_in_background=True`` on the CPU: evict returns with the put still running (here
+    stalled) and ``gathered`` completes once the store has read the rows; the object holds
+    the rows as they were at the call."""
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    with pytest.raises(TypeError, match="put_in_background"):
+        kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, put_in_background=1)
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place",
+                        put_in_background=True) as m:
+        keys = keyspace(2)
+        src = torch.arange(8).reshape(2, 4)
+        want = rows_bytes(kv, src.reshape(-1))
+        release = threading.Event()
+        real_put = store.put
+
+        def stalled_put(desc, **kwargs):
+            assert release.wait(30)
+            return real_put(desc, **kwargs)
+
+        monkeypatch.setattr(store, "put", stalled_put)
+        monkeypatch.setattr(store, "begin_put", None)
+        t = m.evict(keys, src)
+        assert not t.done() and not t.gathered.query()
+        release.set()
+        t.gathered.synchronize()
+        scribble(kv, src.reshape(-1))  # the engine takes the rows back once they are read
+        assert t.wait(30) == [Status.OK] * 2
         assert m.prefetch(keys, torch.arange(16, 24).reshape(2, 4)).wait(30) == [Status.OK] * 2
         assert rows_bytes(kv, torch.arange(16, 24)) == want
 

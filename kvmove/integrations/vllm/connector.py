@@ -13,7 +13,8 @@ own (:mod:`.keys`), and a ``kvmove.KVMover`` with raw keys gathers + puts on sav
 load ends in ``start_load_kv``), ``staging_bytes`` (default 1 GiB of staging) and ``path``
 (``"auto"``, default: saves and loads move the blocks in place, with no staging copy, where
 the store reaches vLLM's KV memory and that measures faster, as vLLM's own connector does;
-``"staged"``; ``"in_place"``). In place, a save returns once the store has read the blocks.
+``"staged"``; ``"in_place"``). A save does not hold the engine's step: the scheduler side
+holds its blocks in vLLM's block pool until every worker reported its puts done.
 
 Lookups and saves follow vLLM's connector: under EAGLE-like speculative decoding a hit
 gives up its last block; a step that loads a request's blocks saves none of them; saves
@@ -51,7 +52,7 @@ class KVMoveConnector(KVConnectorBase_V1):
         self.plan = plan_from_vllm(vllm_config, kv_cache_config)
         self._side: SchedulerSide | WorkerSide
         if role == KVConnectorRole.SCHEDULER:
-            self._side = SchedulerSide(self.plan)
+            self._side = SchedulerSide(self.plan, vllm_config.parallel_config.world_size)
         else:
             self._side = WorkerSide(self.plan, vllm_config, kv_cache_config)
 
@@ -76,6 +77,9 @@ class KVMoveConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._side.save(self._get_connector_metadata())
 
+    def build_connector_worker_meta(self):
+        return self._side.done_saves()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._side.take_load_errors()
 
@@ -92,8 +96,17 @@ class KVMoveConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVMoveConnectorMetadata:
         return self._side.build_meta(scheduler_output)
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._side.bind_pool(gpu_block_pool)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._side.saves_done(connector_output.kv_connector_worker_meta)
+
+    def has_pending_push_work(self) -> bool:
+        return self._side.holds_blocks()
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
-        # A save's gather has finished (CPU) or is ordered before vLLM's next use of the
-        # blocks (CUDA) by the end of the step that scheduled it: free them at once.
+        # The blocks a save still reads are held by its job (SchedulerSide): free the
+        # request's at once.
         self._side.forget(request.request_id)
         return False, None

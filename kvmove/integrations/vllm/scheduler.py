@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvmove
-from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata, KVMoveWorkerMetadata
 from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.store_config import connector_store_config
 
@@ -32,16 +32,62 @@ class SchedulerSide:
     worker puts only the keys the store lacks), so a prefix block that left the store, or
     whose load failed and was recomputed, is stored again; and a step that loads a request's
     blocks saves none of its blocks (were that load to fail, the tokens computed in the step
-    over those blocks would be stored under good keys); its next step does."""
+    over those blocks would be stored under good keys); its next step does.
 
+    A step's saves are one job: once vLLM has bound its block pool (:meth:`bind_pool`), the
+    job holds a reference on each of its blocks until all ``workers`` reported it done
+    (:meth:`saves_done`), so a worker's save need not wait for its put and vLLM cannot
+    reuse a block the put still reads, even once its request has finished."""
 
-    def __init__(self, plan: ConnectorPlan):
+    def __init__(self, plan: ConnectorPlan, workers: int = 1):
         self.plan = plan
         # The scheduler only asks what exists: it contributes no memory to the store.
         self.store = kvmove.MooncakeStore(connector_store_config().replace(
             global_segment_size=0))
         self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
         self._reqs: dict[str, _Request] = {}
+        self.workers = workers
+        self._pool = None  # vLLM's block pool, once bound
+        self._next_job = 0
+        self._held: dict[int, tuple[list, int]] = {}  # job -> (blocks held, workers to report)
+
+    # -- holding the blocks of saves in flight ----------------------------------------------
+    def bind_pool(self, pool) -> None:
+        """vLLM's (GPU) block pool: saves hold their blocks there from now on."""
+        self._pool = pool
+
+    def _hold_saves(self, meta: KVMoveConnectorMetadata) -> None:
+        if not meta.saves or self._pool is None:
+            return
+        pool = self._pool
+        ids = dict.fromkeys(b for t in meta.saves for b in t.block_ids)  # each once
+        blocks = [pool.blocks[b] for b in ids]
+        pool.touch(blocks)
+        meta.save_job = job = self._next_job
+        self._next_job += 1
+        self._held[job] = (blocks, self.workers)
+
+    def saves_done(self, worker_meta) -> None:
+        """Let go of the blocks of every save job all workers have reported done."""
+        if not isinstance(worker_meta, KVMoveWorkerMetadata):
+            return
+        for job, workers in worker_meta.done_saves.items():
+            held = self._held.get(job)
+            if held is None:
+                log.warning("kvmove connector: save job %d reported done, but not held", job)
+                continue
+            blocks, left = held
+            left -= workers
+            if left > 0:
+                self._held[job] = (blocks, left)
+                continue
+            del self._held[job]
+            self._pool.free_blocks(reversed(blocks))  # the last block evicted first
+
+    def holds_blocks(self) -> bool:
+        """Whether a save job still holds blocks (vLLM keeps stepping until none does, so
+        that the workers' reports reach this side)."""
+        return bool(self._held)
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
         plan = self.plan
@@ -121,6 +167,7 @@ class SchedulerSide:
             self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id in out.finished_req_ids:
             self.forget(req_id)
+        self._hold_saves(meta)
         return meta
 
     def _add_save(self, meta: KVMoveConnectorMetadata, state: _Request, computed: int) -> None:

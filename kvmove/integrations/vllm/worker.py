@@ -13,7 +13,7 @@ import torch
 import kvmove
 from kvmove.integrations.vllm.keys import RankNamespace
 from kvmove.integrations.vllm.layout import block_regions
-from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata, KVMoveWorkerMetadata
 from kvmove.integrations.vllm.plan import ConnectorPlan
 from kvmove.integrations.vllm.store_config import connector_store_config
 
@@ -29,10 +29,11 @@ def block_mover(views: list[torch.Tensor], store, *, staging_slots: int,
     and loads skip staging. A load lands in blocks vLLM allocated for it and a block whose
     load failed is recomputed (``kv_load_failure_policy`` "recompute"): whatever a failed
     in-place get left in it is overwritten, so loads may go in place too
-    (``prefetch_into_free_rows=True``)."""
+    (``prefetch_into_free_rows=True``). A put in place runs in the background
+    (``put_in_background=True``): vLLM's scheduler holds the blocks until it is done."""
     return kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
                           staging_slots=staging_slots, raw_keys=True, path=path,
-                          prefetch_into_free_rows=True)
+                          prefetch_into_free_rows=True, put_in_background=True)
 
 
 def block_pages(block_ids: list[int]) -> torch.Tensor:
@@ -78,6 +79,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._loads: list[tuple[kvmove.Transfer, list[int]]] = []
         self._saves: list[kvmove.Transfer] = []
+        self._save_jobs: list[tuple[int, list[kvmove.Transfer]]] = []  # not reported yet
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -148,6 +150,14 @@ class WorkerSide:
     def save(self, meta: KVMoveConnectorMetadata) -> None:
         self._finish_loads()
         self._reap_saves()
+        transfers: list[kvmove.Transfer] = []
+        try:
+            self._save(meta, transfers)
+        finally:
+            if meta.save_job is not None:  # reported once these transfers are done
+                self._save_jobs.append((meta.save_job, transfers))
+
+    def _save(self, meta: KVMoveConnectorMetadata, transfers: list[kvmove.Transfer]) -> None:
         if not meta.saves or self.mover is None:
             return
         # Ranks with byte-identical blocks share one namespace: this rank saves its share
@@ -172,10 +182,25 @@ class WorkerSide:
         except kvmove.StagingFull as e:  # a save missed costs a recompute, never the step
             log.warning("kvmove connector: %d block saves skipped: %s", len(keys), e)
             return
-        # vLLM reuses the blocks only after this: the gather (CUDA, staged) or the put that
-        # reads them in place (on the CPU it has, once evict returned)
-        transfer.gathered.wait()
+        # vLLM reuses the blocks once the scheduler let them go (after this job was reported
+        # done); where it does not hold them, only after this: the gather (CUDA, staged) or
+        # the put that reads them in place
+        if meta.save_job is None:
+            transfer.gathered.wait()
         self._saves.append(transfer)
+        transfers.append(transfer)
+
+    def done_saves(self) -> KVMoveWorkerMetadata | None:
+        """The save jobs whose transfers have all ended since the last call (for vLLM's
+        scheduler side, which then lets go of their blocks), or None."""
+        done, left = {}, []
+        for job, transfers in self._save_jobs:
+            if all(t.done() for t in transfers):
+                done[job] = 1
+            else:
+                left.append((job, transfers))
+        self._save_jobs = left
+        return KVMoveWorkerMetadata(done) if done else None
 
     def _reap_saves(self, wait: bool = False) -> None:
         keep = []

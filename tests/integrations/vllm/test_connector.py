@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 
 import kvmove
 from kvmove.integrations.vllm.keys import RankNamespace, VLLMKeyFormat
-from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
+from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata, KVMoveWorkerMetadata
 from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.scheduler import SchedulerSide
 from kvmove.integrations.vllm.worker import WorkerSide, block_pages, unique_rounds
@@ -503,3 +505,86 @@ def test_a_save_without_staging_slots_is_skipped_not_raised(monkeypatch, caplog)
         assert side._saves == []
     finally:
         side.close()
+
+
+def _block_pool():
+    from vllm.v1.core.block_pool import BlockPool
+
+    return BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=BS)
+
+
+@pytest.mark.parametrize("path", ["staged", "in_place"])
+def test_a_save_holds_its_blocks_until_every_worker_reported_its_put_done(path, monkeypatch):
+    """Once vLLM bound its block pool, a step's saves are one job holding a reference on
+    each block; the worker's save returns without waiting for its put (here stalled), the
+    job is reported done only once the put has ended, and the blocks go back to vLLM's pool
+    when the last of the workers reported it. The bytes stored are the blocks'."""
+    plan = plan_for(path)
+    pool = _block_pool()
+    hashes = block_hashes(f"held-{path}", 3)
+    keys = [h.hex() for h in hashes]
+    src = caches(seed=11)
+    sched = SchedulerSide(plan, workers=2)
+    sched.bind_pool(pool)
+    try:
+        blocks = pool.get_new_blocks(4)  # the request's, one reference each
+        ids = [b.block_id for b in blocks]
+        req = request("h", hashes, 3 * BS + 4)
+        sched.after_alloc(req, ids, 0)
+        meta = sched.build_meta(output([new_request("h", ids, 0)], scheduled={"h": 3 * BS + 4}))
+        assert transfers(meta.saves) == [(keys, ids[:3])] and meta.save_job is not None
+        assert [b.ref_cnt for b in blocks] == [2, 2, 2, 1]
+        assert sched.holds_blocks()
+        with worker_side(plan, src) as w:
+            release = threading.Event()
+            real_put = w.mover.store.put
+
+            def stalled_put(desc, **kwargs):
+                assert release.wait(30)
+                return real_put(desc, **kwargs)
+
+            monkeypatch.setattr(w.mover.store, "put", stalled_put)
+            monkeypatch.setattr(w.mover.store, "begin_put", None)
+            t0 = time.monotonic()
+            w.save(meta)  # returns with the put stalled
+            assert time.monotonic() - t0 < 5
+            assert w.done_saves() is None  # not done: not reported
+            release.set()
+            deadline = time.monotonic() + 30
+            report = None
+            while report is None and time.monotonic() < deadline:
+                report = w.done_saves()
+                time.sleep(0.01)
+            assert report is not None and report.done_saves == {meta.save_job: 1}
+            assert w.done_saves() is None  # reported once
+        sched.saves_done(report)  # one worker of two
+        assert [b.ref_cnt for b in blocks] == [2, 2, 2, 1] and sched.holds_blocks()
+        second = KVMoveWorkerMetadata({meta.save_job: 1})
+        sched.saves_done(KVMoveWorkerMetadata().aggregate(second))
+        assert [b.ref_cnt for b in blocks] == [1, 1, 1, 1] and not sched.holds_blocks()
+        pool.free_blocks(blocks)  # the request ends: every block is free again
+        assert pool.get_num_free_blocks() == NUM_BLOCKS - 1  # vLLM's null block aside
+    finally:
+        sched.close()
+    dst = caches(seed=12, zero=True)
+    with worker_side(plan, dst) as w:
+        assert load(w, KVMoveConnectorMetadata(loads=[BlockTransfer("d", keys, [0, 1, 2])])) \
+            == set()
+    assert [block_bytes(dst, b) for b in (0, 1, 2)] == [block_bytes(src, b) for b in ids[:3]]
+
+
+def test_a_save_job_is_reported_even_when_the_worker_saves_nothing_of_it():
+    """A job this worker has no share of (or no mover for) is done at once: its blocks
+    must not stay held."""
+    plan = plan_for()
+    with worker_side(plan, caches(seed=13)) as w:
+        w.save(KVMoveConnectorMetadata(save_job=7))
+        assert w.done_saves().done_saves == {7: 1}
+    sched = SchedulerSide(plan)  # no pool bound (an older vLLM): nothing held
+    try:
+        req = request("n", block_hashes("unbound", 1), BS + 1)
+        sched.after_alloc(req, [3, 4], 0)
+        meta = sched.build_meta(output([new_request("n", [3, 4], 0)], scheduled={"n": BS + 1}))
+        assert len(meta.saves) == 1 and meta.save_job is None and not sched.holds_blocks()
+    finally:
+        sched.close()
