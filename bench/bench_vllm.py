@@ -14,6 +14,10 @@
   bench, on a ``KVTransferThread`` of vLLM's own code: "vLLM save" / "vLLM load", the
   figures the ratios are taken against. The same calls made on the caller's thread, with
   no thread between (what no vLLM configuration does), are reported too: "(inline)".
+- "save returns": how long the caller's (the engine's) thread waits in the save. vLLM's
+  connector hands the save to its send thread; kvmove's evict returns once the put is under
+  way (in place, the put runs in the background: in an engine, vLLM's scheduler holds the
+  blocks until the worker reports the put done).
 
 Both talk to one embedded master through one Mooncake client, over loopback TCP. Needs the
 vLLM environment (``bash scripts/test_vllm.sh --setup-only``)::
@@ -111,7 +115,8 @@ def bench(args) -> dict:
     vllm.register_kv_caches(src, num_blocks)
     chunks = [(i * bs, (i + 1) * bs) for i in range(n)]
     rows: dict[str, list[float]] = {name: [] for name in (
-        "kvmove save", "vLLM save", "vLLM save (inline)", "kvmove load",
+        "kvmove save", "vLLM save", "vLLM save (inline)", "kvmove save returns",
+        "vLLM save returns", "kvmove load",
         "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)")}
     thread = transfer_thread(bs)
     segment = max(1 << 30, 4 * total * args.repeat + (256 << 20))
@@ -148,15 +153,22 @@ def bench(args) -> dict:
             res = client.batch_get_into_multi_buffers(k, addrs, sizes)
             assert res == [object_bytes] * n, res[:4]
 
-        def on_thread(call, k):
+        returned: dict[str, float] = {}  # how long the caller's (the engine's) thread waited
+
+        def on_thread(call, k, who="vLLM"):
             done = threading.Event()
+            t0 = time.perf_counter()
             thread.add_request((lambda: call(k), done))
+            returned[who] = time.perf_counter() - t0
             done.wait()
 
         # As the connector's worker calls the mover: the pages made from the block ids on
         # every call (vLLM's side builds its span lists on every call too).
         def kvmove_save(k):
-            assert mover.evict(k, block_pages(save_ids)).wait() == [kvmove.Status.OK] * n
+            t0 = time.perf_counter()
+            t = mover.evict(k, block_pages(save_ids))
+            returned["kvmove"] = time.perf_counter() - t0
+            assert t.wait() == [kvmove.Status.OK] * n
 
         def kvmove_load(k, layerwise):
             t = mover.prefetch(k, block_pages(load_ids), layerwise=layerwise)
@@ -179,6 +191,8 @@ def bench(args) -> dict:
             times = {}
             for who in order:
                 times[_row(who, "save")] = _timed(lambda f=saves[who], k=tagged[who]: f(k))
+                if who in returned:
+                    times[f"{who} save returns"] = returned.pop(who)
             for who in order:
                 times[_row(who, "load")] = _timed(lambda f=loads[who], k=tagged[who]: f(k))
                 check_loaded()
@@ -235,7 +249,8 @@ def report(result: dict, console) -> None:
     for col in ("path", "median ms", "GB/s", "spread"):
         table.add_column(col, justify="right" if col != "path" else "left")
     for k, v in s["median_s"].items():
-        table.add_row(k, f"{v * 1e3:.2f}", f"{s['median_GBps'][k]:.2f}",
+        gbps = "-" if k.endswith("returns") else f"{s['median_GBps'][k]:.2f}"
+        table.add_row(k, f"{v * 1e3:.2f}", gbps,
                       f"{s['spread'][k] * 100:.0f}%")
     console.print(table)
     console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster; vLLM's calls on its "
