@@ -41,6 +41,18 @@ from kvmove.integrations.vllm.worker import WorkerSide
 __all__ = ["KVMoveConnector"]
 
 
+def _save_reports(par) -> tuple[int, bool]:
+    """How many workers report each save job to this scheduler, and whether they all do
+    (else saves hold no blocks and wait for their puts, as before vLLM could hold them).
+    Under ``external_launcher`` each engine's scheduler hears its own worker only; with
+    pipeline parallelism the stages before the last may report nothing (Ray's compiled
+    DAG returns the last stage's outputs; with speculative decoding only the last stage
+    saves)."""
+    if getattr(par, "distributed_executor_backend", None) == "external_launcher":
+        return 1, par.pipeline_parallel_size == 1
+    return par.world_size, par.pipeline_parallel_size == 1
+
+
 class KVMoveConnector(KVConnectorBase_V1):
     """A vLLM KV connector on kvmove. The scheduler side looks up a request's block hashes
     in one batched ``exists`` and schedules loads and saves; the worker side gathers a
@@ -52,7 +64,7 @@ class KVMoveConnector(KVConnectorBase_V1):
         self.plan = plan_from_vllm(vllm_config, kv_cache_config)
         self._side: SchedulerSide | WorkerSide
         if role == KVConnectorRole.SCHEDULER:
-            self._side = SchedulerSide(self.plan, vllm_config.parallel_config.world_size)
+            self._side = SchedulerSide(self.plan, *_save_reports(vllm_config.parallel_config))
         else:
             self._side = WorkerSide(self.plan, vllm_config, kv_cache_config)
 

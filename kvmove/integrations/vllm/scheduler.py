@@ -39,7 +39,7 @@ class SchedulerSide:
     (:meth:`saves_done`), so a worker's save need not wait for its put and vLLM cannot
     reuse a block the put still reads, even once its request has finished."""
 
-    def __init__(self, plan: ConnectorPlan, workers: int = 1):
+    def __init__(self, plan: ConnectorPlan, workers: int = 1, hold_blocks: bool = True):
         self.plan = plan
         # The scheduler only asks what exists: it contributes no memory to the store.
         self.store = kvmove.MooncakeStore(connector_store_config().replace(
@@ -47,14 +47,17 @@ class SchedulerSide:
         self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
         self._reqs: dict[str, _Request] = {}
         self.workers = workers
+        self.hold_blocks = hold_blocks  # False: saves wait for their puts instead
         self._pool = None  # vLLM's block pool, once bound
         self._next_job = 0
         self._held: dict[int, tuple[list, int]] = {}  # job -> (blocks held, workers to report)
 
     # -- holding the blocks of saves in flight ----------------------------------------------
     def bind_pool(self, pool) -> None:
-        """vLLM's (GPU) block pool: saves hold their blocks there from now on."""
-        self._pool = pool
+        """vLLM's (GPU) block pool: saves hold their blocks there from now on (unless
+        ``hold_blocks`` is off)."""
+        if self.hold_blocks:
+            self._pool = pool
 
     def _hold_saves(self, meta: KVMoveConnectorMetadata) -> None:
         if not meta.saves or self._pool is None:

@@ -148,10 +148,10 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------
     def save(self, meta: KVMoveConnectorMetadata) -> None:
-        self._finish_loads()
-        self._reap_saves()
         transfers: list[kvmove.Transfer] = []
         try:
+            self._finish_loads()
+            self._reap_saves()
             self._save(meta, transfers)
         finally:
             if meta.save_job is not None:  # reported once these transfers are done

@@ -588,3 +588,31 @@ def test_a_save_job_is_reported_even_when_the_worker_saves_nothing_of_it():
         assert len(meta.saves) == 1 and meta.save_job is None and not sched.holds_blocks()
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize(("backend", "world", "pp", "want"), [
+    ("mp", 4, 1, (4, True)), (None, 1, 1, (1, True)),
+    ("external_launcher", 8, 1, (1, True)),  # each engine hears its own worker only
+    ("mp", 4, 2, (4, False)), ("ray", 4, 2, (4, False))])  # earlier stages may not report
+def test_who_reports_save_jobs(backend, world, pp, want):
+    from kvmove.integrations.vllm.connector import _save_reports
+
+    par = SimpleNamespace(distributed_executor_backend=backend, world_size=world,
+                          pipeline_parallel_size=pp)
+    assert _save_reports(par) == want
+
+
+def test_a_scheduler_that_does_not_hold_blocks_ignores_the_pool():
+    plan = plan_for()
+    pool = _block_pool()
+    sched = SchedulerSide(plan, workers=2, hold_blocks=False)
+    sched.bind_pool(pool)
+    try:
+        blocks = pool.get_new_blocks(2)
+        ids = [b.block_id for b in blocks]
+        sched.after_alloc(request("p", block_hashes("pp", 1), BS + 1), ids, 0)
+        meta = sched.build_meta(output([new_request("p", ids, 0)], scheduled={"p": BS + 1}))
+        assert len(meta.saves) == 1 and meta.save_job is None
+        assert [b.ref_cnt for b in blocks] == [1, 1] and not sched.holds_blocks()
+    finally:
+        sched.close()
