@@ -534,12 +534,14 @@ class KVMover:
                                  trailer.shape[1])
 
     @contextlib.contextmanager
-    def _begin_put(self, store_keys: list[str], *, early: bool = True):
-        """A put of ``store_keys`` whose exists check starts now, while the descriptors are
-        made (``MooncakeStore.begin_put``): yields the put to call with them. Not
-        ``early``, a store without ``begin_put``, or one that cannot begin (closed): yields
-        its plain ``put``, whose failure then ends the keys' statuses as any put's does."""
-        begin = getattr(self.store, "begin_put", None) if early else None
+    def _begin_put(self, store_keys: list[str]):
+        """A put of ``store_keys`` whose exists check starts now, while the gather ends and
+        the descriptors are made (``MooncakeStore.begin_put``): yields the put to call with
+        them. A store without ``begin_put``, or one that cannot begin (closed): yields its
+        plain ``put``, whose failure then ends the keys' statuses as any put's does. In
+        place the put checks inside it: there is no gather to overlap there, and an early
+        check measured no faster."""
+        begin = getattr(self.store, "begin_put", None)
         pending = None
         if begin is not None:
             try:
@@ -803,22 +805,15 @@ class KVMover:
                     self._inline_done.notify_all()
 
     def _put_in_place(self, call: Call) -> TransferResult:
-        store_keys = self.keyspace.store_keys(call.keys)
-        # While an in-place put given up may still store keys (removed once it returns, see
-        # _forget_when_done), an early check could answer EXISTS for one removed before
-        # this put: then the check is made in the put, after the held keys are left out.
-        with self._begin_put(store_keys, early=not self._late_keys) as put:
-            return self._put_in_place_with(call, store_keys, put)
-
-    def _put_in_place_with(self, call: Call, store_keys: list[str], put) -> TransferResult:
         n = len(call.keys)
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         pages, bad = self._host_pages(call, self._evict_stream)
         good = _stored_keys(bad, n)
         if bad is not None:
             pages = pages[good]
-            store_keys = [store_keys[i] for i in good.tolist()]
-        desc = self._evict_rows.describe_trusted(pages, store_keys, call.valid[good], get=False)
+        desc = self._evict_rows.describe_trusted(
+            pages, self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
+            call.valid[good], get=False)
         pending = self._late_keys
         if pending:  # a put of these keys given up earlier may still store them
             held = np.fromiter((k in pending for k in desc.keys), dtype=bool, count=len(desc))
@@ -830,7 +825,7 @@ class KVMover:
                 good = good[~held]
                 desc = desc.select(np.flatnonzero(~held).tolist())
         t0 = time.perf_counter()
-        got, got_codes, _, late_stored = self._store_call(put, desc)
+        got, got_codes, _, late_stored = self._store_call(self.store.put, desc)
         times = StageTimes(put=time.perf_counter() - t0)
         if len(got) == n:  # every key was put
             statuses, codes = got, got_codes
