@@ -189,13 +189,8 @@ class KVMoveStorage(HiCacheStorage):
         all stored."""
         if not keys:
             return []
-        objects = self.keys.kv_objects(keys)
-        # the master answers which objects exist while their descriptors are made
-        with self.store.begin_put([k for ks in objects for k in ks],
-                                  detect_exists=True) as pending:
-            desc = self._describe(self._kv_view(), objects, host_indices)
-            result = pending.put(desc)
-        return self._per_page(self._let_go(result), len(keys), ok=_DONE)
+        desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
+        return self._per_page(self._put(desc), len(keys), ok=_DONE)
 
     # -- side pools (v2) ---------------------------------------------------------------------
     def _side(self, transfer) -> tuple[str, PoolView]:
