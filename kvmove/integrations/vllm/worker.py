@@ -79,7 +79,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._loads: list[tuple[kvmove.Transfer, list[int]]] = []
         self._saves: list[kvmove.Transfer] = []
-        self._save_jobs: list[tuple[int, list[kvmove.Transfer]]] = []  # not reported yet
+        self._save_jobs: list[tuple[int, kvmove.Transfer | None]] = []  # not reported yet
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -148,18 +148,19 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------
     def save(self, meta: KVMoveConnectorMetadata) -> None:
-        transfers: list[kvmove.Transfer] = []
+        transfer = None
         try:
             self._finish_loads()
             self._reap_saves()
-            self._save(meta, transfers)
+            transfer = self._save(meta)
         finally:
-            if meta.save_job is not None:  # reported once these transfers are done
-                self._save_jobs.append((meta.save_job, transfers))
+            if meta.save_job is not None:  # reported once its transfer (if any) is done
+                self._save_jobs.append((meta.save_job, transfer))
 
-    def _save(self, meta: KVMoveConnectorMetadata, transfers: list[kvmove.Transfer]) -> None:
+    def _save(self, meta: KVMoveConnectorMetadata) -> kvmove.Transfer | None:
+        """This rank's share of the step's saves, as one evict (None: nothing started)."""
         if not meta.saves or self.mover is None:
-            return
+            return None
         # Ranks with byte-identical blocks share one namespace: this rank saves its share
         # of them (plan.saves_block), the others the rest. An evict's keys are unique.
         # Blocks with the same key hold the same bytes (two requests with the same prefix,
@@ -170,7 +171,7 @@ class WorkerSide:
                 if self.plan.saves_block(self.tp_rank, pos):
                     first_block.setdefault(self.key_prefix + h, b)
         if not first_block:
-            return
+            return None
         # Saves start at a request's first block (see SchedulerSide). The mover's put asks
         # the master which keys it holds and sends only the others (they end EXISTS), as
         # vLLM's connector does (on a GPU, in the background): no query of its own on the
@@ -181,24 +182,24 @@ class WorkerSide:
             transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
         except kvmove.StagingFull as e:  # a save missed costs a recompute, never the step
             log.warning("kvmove connector: %d block saves skipped: %s", len(keys), e)
-            return
+            return None
         # vLLM reuses the blocks once the scheduler let them go (after this job was reported
         # done); where it does not hold them, only after this: the gather (CUDA, staged) or
         # the put that reads them in place
         if meta.save_job is None:
             transfer.gathered.wait()
         self._saves.append(transfer)
-        transfers.append(transfer)
+        return transfer
 
     def done_saves(self) -> KVMoveWorkerMetadata | None:
-        """The save jobs whose transfers have all ended since the last call (for vLLM's
-        scheduler side, which then lets go of their blocks), or None."""
+        """The save jobs whose transfer has ended since the last call (for vLLM's scheduler
+        side, which then lets go of their blocks), or None."""
         done, left = {}, []
-        for job, transfers in self._save_jobs:
-            if all(t.done() for t in transfers):
+        for job, transfer in self._save_jobs:
+            if transfer is None or transfer.done():
                 done[job] = 1
             else:
-                left.append((job, transfers))
+                left.append((job, transfer))
         self._save_jobs = left
         return KVMoveWorkerMetadata(done) if done else None
 
