@@ -2,9 +2,9 @@
 ``KVMover.prefetch`` (get + scatter) of a DSA-like hybrid cache (kv 656-byte rows and an
 indexer of 132-byte rows per layer), against the sum of their parts measured in the same run
 (``gather`` alone, ``store.put`` alone, ...), the raw contiguous Mooncake put/get of the same
-bytes, the mover with end-to-end checksums on (its overhead), and the mover on a store without
-``begin_put`` (the exists check inside the put, not started while the gather ends and the
-descriptors are made).
+bytes, the mover with end-to-end checksums on (its overhead), and the plain mover's evict with
+its store's ``begin_put`` hidden (the exists check inside the put, not started while the
+gather ends and the descriptors are made).
 
     python -m bench.bench_mover                  # table
     python -m bench.bench_mover --json out.json  # and the figures as JSON

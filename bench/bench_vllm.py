@@ -155,11 +155,11 @@ def bench(args) -> dict:
 
         returned: dict[str, float] = {}  # how long the caller's (the engine's) thread waited
 
-        def on_thread(call, k, who="vLLM"):
+        def on_thread(call, k):
             done = threading.Event()
             t0 = time.perf_counter()
             thread.add_request((lambda: call(k), done))
-            returned[who] = time.perf_counter() - t0
+            returned["vLLM"] = time.perf_counter() - t0
             done.wait()
 
         # As the connector's worker calls the mover: the pages made from the block ids on
