@@ -59,7 +59,9 @@ long. A call given up ends its keys ``FAILED`` (code ``CALL_TIMEOUT``, the cause
 and the calls of that put/get/exists/remove not started yet are not tried (same code), so a
 put or get ends at most about one ``call_timeout`` after the transport stopped making
 progress on it (a get's ``get_size`` questions, above, add at most one more, and so does its
-replica failover, below, when the master stops answering). Mooncake may still
+replica failover, below, when the master stops answering). A put's exists check and its put
+of keys none of which exists are one hand-off to the runner thread, each still bounded from
+its own start (a check given up starts no put). Mooncake may still
 write into (get) or read from (put) the memory of a call
 given up until it really returns (its own cap is 60 s): the result's ``late`` future
 completes then, and until then the store keeps the regions in use (``unregister`` refuses
@@ -268,6 +270,65 @@ def _split_address(address: str) -> tuple[str, int]:
 _DATA_CALLS = frozenset({"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"})
 # Seconds close() waits for calls given up to return (Mooncake's own cap is 60 s).
 _LATE_CLOSE_WAIT_S = 75.0
+
+
+class _PutGate:
+    """Whether the put of a :func:`_check_then_put` may still start: not once its waiter
+    gave up on the check (:meth:`close`)."""
+
+    __slots__ = ("_closed", "_lock", "opened_at")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._closed = False
+        self.opened_at: float | None = None  # time.monotonic() when the put started
+
+    def open(self) -> bool:
+        """The runner's side: True (and the put may start now) unless closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self.opened_at = time.monotonic()
+            return True
+
+    def close(self) -> float | None:
+        """The waiter's side: no put starts from now on; when the put had started."""
+        with self._lock:
+            self._closed = True
+            return self.opened_at
+
+
+def _check_then_put(client, gate: _PutGate, keys, ptrs, sizes, replicate):
+    """Run on a runner thread: Mooncake's exists check of ``keys`` and then, when none of
+    them exists and ``gate`` still opens, the put of every key. Returns ``(check codes, put
+    codes or None, what the put raised or None)``; the check's own error is raised."""
+    flags = client.batch_is_exist(keys)
+    if len(flags) != len(keys) or any(flags) or not gate.open():
+        return flags, None, None
+    try:
+        return flags, client.batch_put_from_multi_buffers(keys, ptrs, sizes, replicate), None
+    except Exception as e:  # the put's, told apart from the check's
+        return flags, None, e
+
+
+def _put_codes_when_done(call: Future) -> Future:
+    """A future of the put codes of a :func:`_check_then_put` call (what its put raised,
+    as its exception), completing when ``call`` does."""
+    codes: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            _flags, value, error = f.result()
+        except BaseException as e:
+            codes.set_exception(e)
+            return
+        if error is not None:
+            codes.set_exception(error)
+        else:
+            codes.set_result(value)
+
+    call.add_done_callback(done)
+    return codes
 
 
 class _Codes(list):
@@ -763,21 +824,31 @@ class MooncakeStore:
         returned for ``timeout``). A call given up is logged with its cause and its client
         replaced (for data calls), see the module docstring."""
         timeout = self.config.call_timeout if timeout is None else timeout
-        client = getattr(fn, "__self__", None)
-        budget = self._budgets.get(id(client)) if spans else None
         t0 = time.monotonic()
+        started = self._start(fn, getattr(fn, "__self__", None), args, spans, timeout)
+        if started is None:
+            return CallOutcome(False, seconds=time.monotonic() - t0)
+        return self._outcome(fn, started, spans, timeout)
+
+    def _start(self, fn: Callable, client, args: tuple, spans: int, timeout: float
+               ) -> StartedCall | None:
+        """Start ``fn(*args)`` on a runner once ``spans`` of ``client``'s span budget are
+        free (see :meth:`_bounded`); None when they did not come free (logged, unless
+        ``timeout`` is 0: then the caller only asked whether there is room now)."""
+        budget = self._budgets.get(id(client)) if spans else None
         taken = 0
         if budget is not None:
             taken = budget.acquire(spans, timeout)
             if not taken:
+                if timeout <= 0:  # the caller only asked whether there is room now
+                    return None
                 log.warning("Mooncake %s not started: %d of %d spans of this client stayed in "
                             "flight and none returned for %.1f s",
                             getattr(fn, "__name__", "call"), budget.in_flight, budget.limit,
                             timeout)
-                return CallOutcome(False, seconds=time.monotonic() - t0)
-        started = start_call(fn, *args,
-                             on_return=(lambda: budget.release(taken)) if taken else None)
-        return self._outcome(fn, started, spans, timeout)
+                return None
+        return start_call(fn, *args,
+                          on_return=(lambda: budget.release(taken)) if taken else None)
 
     def _outcome(self, fn: Callable, started: StartedCall, spans: int = 0,
                  timeout: float | None = None) -> CallOutcome:
@@ -1056,9 +1127,10 @@ class MooncakeStore:
 
     def _put_chunk(self, client, part: Descriptors, detect_exists: bool,
                    flags: list[int] | None = None) -> list[int]:
+        first = None  # the first put's codes, when the check's own call made it
         if detect_exists:
             if flags is None:
-                flags = self._batch(client.batch_is_exist, part.keys)
+                flags, first = self._check_then_put(client, part)
             if _stops_the_call(flags):
                 return flags
         codes: list[int | None] | None = None  # None: no key answered yet, all to put
@@ -1071,8 +1143,10 @@ class MooncakeStore:
             if todo is not None and not todo:
                 break
             sub = part if todo is None else part.select(todo)
-            result = self._batch(client.batch_put_from_multi_buffers, sub.keys, sub.ptrs,
-                                 sub.sizes, self._replicate)
+            result = first if first is not None else self._batch(
+                client.batch_put_from_multi_buffers, sub.keys, sub.ptrs, sub.sizes,
+                self._replicate)
+            first = None
             late.append(getattr(result, "late", None))
             if late[-1] is not None:
                 late_puts.append((list(sub.keys), late[-1]))
@@ -1088,6 +1162,46 @@ class MooncakeStore:
                 break
             todo = [i for i, c in enumerate(codes) if c in (LEASE_EXPIRED, TRANSFER_FAIL)]
         return _Codes(codes, settled(late), late_puts)
+
+    def _check_then_put(self, client, part: Descriptors
+                        ) -> tuple[list[int], list[int] | None]:
+        """The exists check of ``part``'s keys and, when none exists, the put of all of
+        them, in one call on a runner (one thread hand-off, not two: on a busy machine each
+        costs a scheduling delay). Each half is bounded as its own call would be: the check
+        by ``call_timeout`` from its start (given up then, the put never starts), the put by
+        ``call_timeout`` from its own start. Returns the check's codes and the put's codes
+        (None when it was not made: some key exists, or the check failed). Where the
+        client's spans in flight leave no room for the put now, the check runs alone (the
+        put then waits for room, as a put does)."""
+        keys, spans, timeout = part.keys, part.num_spans, self.config.call_timeout
+        gate = _PutGate()
+        started = self._start(_check_then_put, client,
+                              (client, gate, keys, part.ptrs, part.sizes, self._replicate),
+                              spans, 0.0)
+        if started is None:
+            return self._batch(client.batch_is_exist, keys), None
+        check, put = client.batch_is_exist, client.batch_put_from_multi_buffers
+        outcome = started.outcome(timeout)
+        if not outcome.done:
+            put_began = gate.close()
+            if put_began is not None:  # the put's own bound runs from its start
+                outcome = started.outcome(timeout + put_began - started.started)
+            if not outcome.done:
+                if put_began is None:
+                    self._given_up(check, client, outcome.late, 0, timeout)
+                    return self._batch_codes(check, keys, outcome, data=False), None
+                late = _put_codes_when_done(outcome.late)
+                self._given_up(put, client, late, spans, timeout)
+                return [0] * len(keys), self._batch_codes(
+                    put, keys, CallOutcome(False, late=late), data=True)
+        if outcome.error is not None:  # the check raised (a put's error is returned)
+            return self._batch_codes(check, keys, outcome, data=False), None
+        flags, codes, error = outcome.value
+        flags = self._batch_codes(check, keys, CallOutcome(True, value=flags), data=False)
+        if codes is None and error is None:
+            return flags, None
+        return flags, self._batch_codes(put, keys, CallOutcome(True, value=codes, error=error),
+                                        data=True)
 
     def get(self, desc: Descriptors) -> StoreResult:
         """Read each key's object into its spans. One :class:`Status` per key: ``OK`` only

@@ -22,7 +22,7 @@ from kvmove.cli.cluster_node import ClusterNode, NodeProcess
 from kvmove.memory.host_memory import HostMemory
 from kvmove.status import BAD_ROWS
 from tests.support.caches import GEOMETRIES, snapshot
-from tests.support.store_state import registered_regions
+from tests.support.store_state import registered_regions, swap_client
 from tests.support.threads import close_while_calling
 
 PATHS = ("staged", "in_place")
@@ -442,29 +442,32 @@ def test_a_mover_that_fails_to_build_unregisters_the_kv_memory(store, monkeypatc
 
 
 @pytest.fixture
-def slow_puts(store, monkeypatch):
+def slow_puts(store):
     """A second store on the master (one key per Mooncake call; calls given up at 0.5 s)
     whose Mooncake puts take 1.5 s while ``slow[0]`` is true."""
     config = kvmove.StoreConfig(master_address=store.address, max_batch_keys=1,
                                 call_timeout=0.5, global_segment_size=0)
     s = kvmove.MooncakeStore(config)
     slow = [False]
-    real = s._batch
-
-    def batch(fn, keys, *args):
-        if fn.__name__ == "batch_put_from_multi_buffers" and slow[0]:
-            inner = fn
-
-            def batch_put_from_multi_buffers(*a):  # a data call, run late
-                time.sleep(1.5)
-                return inner(*a)
-
-            fn = batch_put_from_multi_buffers
-        return real(fn, keys, *args)
-
-    monkeypatch.setattr(s, "_batch", batch)
+    swap_client(s, lambda real: _SlowPuts(real, slow))
     yield s, slow
     s.close()
+
+
+class _SlowPuts:
+    """A Mooncake client that forwards every call; its puts take 1.5 s more while
+    ``slow[0]`` is true."""
+
+    def __init__(self, real, slow: list[bool]):
+        self._real, self._slow = real, slow
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def batch_put_from_multi_buffers(self, *args):  # a data call, run late
+        if self._slow[0]:
+            time.sleep(1.5)
+        return self._real.batch_put_from_multi_buffers(*args)
 
 
 def returned(store) -> None:

@@ -5,7 +5,8 @@ use, and processes with an embedded master killed by SIGTERM and SIGKILL.
 
 Where a test needs a transfer to be "in flight" at a known moment, it holds one Mooncake
 call at a gate inside the store (``store._batch``, kvmove's wrapper around each Mooncake
-batch call): the real Mooncake call still runs, before or after the gate.
+batch call, and ``store._check_then_put``, a put's exists check and its put in one call):
+the real Mooncake call still runs, before or after the gate.
 """
 
 from __future__ import annotations
@@ -79,20 +80,28 @@ class Gate:
         self._release = threading.Event()
         self._left = count
         self._lock = threading.Lock()
-        real = store._batch
+        real_batch, real_check_then_put = store._batch, store._check_then_put
 
-        def batch(fn, keys, *args):
+        def held(name: str, run):
             with self._lock:
-                hold = fn.__name__ == call and self._left > 0
+                hold = name == call and self._left > 0
                 self._left -= hold
             if hold and when == "before":
                 self._hold()
-            result = real(fn, keys, *args)
+            result = run()
             if hold and when == "after":
                 self._hold()
             return result
 
+        def batch(fn, keys, *args):
+            return held(fn.__name__, lambda: real_batch(fn, keys, *args))
+
+        def check_then_put(client, part):  # a put's exists check and the put, in one call
+            return held("batch_put_from_multi_buffers",
+                        lambda: real_check_then_put(client, part))
+
         monkeypatch.setattr(store, "_batch", batch)
+        monkeypatch.setattr(store, "_check_then_put", check_then_put)
 
     def _hold(self) -> None:
         self.entered.set()

@@ -4,6 +4,7 @@ and how the store cuts a batch by them."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from kvmove.store.transport_limits import (
     prepare_environment,
 )
 from tests.support.staging_data import make_staging
+from tests.support.store_state import swap_client
 
 pytestmark = pytest.mark.store
 
@@ -92,7 +94,39 @@ def test_store_config_bound_fields():
         kvmove.StoreConfig.from_env({**env, "KVMOVE_CALL_TIMEOUT": "x"})
 
 
-def test_batches_are_cut_by_spans_and_keys(keyspace, monkeypatch):
+class _CountingCalls:
+    """A Mooncake client that forwards every call and records each batch call's name, keys
+    and spans, and the most of them in flight at once."""
+
+    def __init__(self, real):
+        self._real = real
+        self.calls: list[tuple[str, int, int]] = []
+        self.most = 0
+        self._active = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        fn = getattr(self._real, name)
+        if not name.startswith("batch_"):
+            return fn
+
+        def counted(keys, *args):
+            spans = sum(map(len, args[0])) if name.endswith("multi_buffers") else 0
+            with self._lock:
+                self.calls.append((name, len(keys), spans))
+                self._active += 1
+                self.most = max(self.most, self._active)
+            try:
+                return fn(keys, *args)
+            finally:
+                with self._lock:
+                    self._active -= 1
+
+        counted.__name__, counted.__self__ = name, self  # as a bound method's
+        return counted
+
+
+def test_batches_are_cut_by_spans_and_keys(keyspace):
     # 40 keys of 9 spans (3 layers x 3 buffers) = 360 spans; 100 spans per call and 16
     # keys per call cut it into calls of 11 keys (99 spans), one after the other; every
     # byte reads back.
@@ -101,26 +135,13 @@ def test_batches_are_cut_by_spans_and_keys(keyspace, monkeypatch):
         staging = make_staging({"a": (3, 132), "b": (3, 656), "c": (3, 4)}, num_slots=80,
                                page_tokens=2, seed=7)
         keys = keyspace(40)
-        calls: list[tuple[str, int, int]] = []
-        real = store._batch
-        active, most = [0], [0]
-
-        def counting(fn, keys_, *args):
-            spans = sum(map(len, args[0])) if fn.__name__.endswith("multi_buffers") else 0
-            calls.append((fn.__name__, len(keys_), spans))
-            active[0] += 1
-            most[0] = max(most[0], active[0])
-            try:
-                return real(fn, keys_, *args)
-            finally:
-                active[0] -= 1
-
-        monkeypatch.setattr(store, "_batch", counting)
+        counted = swap_client(store, _CountingCalls)
+        calls = counted.calls
         assert store.put(kvmove.describe(staging, list(range(40)), keys)).all_ok
         puts = [c for c in calls if c[0] == "batch_put_from_multi_buffers"]
         assert [c[1] for c in puts] == [11, 11, 11, 7]  # in order, one at a time
         assert max(c[2] for c in puts) <= 100
-        assert most[0] == 1  # never two calls of one put in flight
+        assert counted.most == 1  # never two calls of one put in flight
         calls.clear()
         got = store.get(kvmove.describe(staging, list(range(40, 80)), keys))
         assert got.all_ok and got.late is None

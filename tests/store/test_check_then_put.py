@@ -1,0 +1,188 @@
+"""A put's exists check and its put made in one call on a runner thread (one thread hand-off,
+not two), against a real embedded master: each half keeps the bound it had as a call of its
+own. A check given up starts no put, even when it returns later; a put is bounded from its
+own start, not from the check's; a put given up is late, and what it stored is reported."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import kvmove
+from kvmove import Status
+from kvmove.status import CALL_TIMEOUT
+from kvmove.store.bounded_call import default_runner
+from tests.support.staging_data import GEOMETRIES, canonical, make_staging
+from tests.support.store_state import calls_in_flight, swap_client
+
+pytestmark = pytest.mark.store
+
+PAGE = 4
+CHECK, PUT = "batch_is_exist", "batch_put_from_multi_buffers"
+
+
+class _Slow:
+    """A Mooncake client that forwards every call; it records which thread made each exists
+    check and put, and delays them by ``delay[name]`` seconds first."""
+
+    def __init__(self, real):
+        self._real = real
+        self.delay: dict[str, float] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.returned: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _run(self, name: str, *args):
+        with self._lock:
+            self.calls.append((name, threading.get_ident()))
+        time.sleep(self.delay.get(name, 0.0))
+        try:
+            return getattr(self._real, name)(*args)
+        finally:
+            with self._lock:
+                self.returned.append(name)
+
+    def batch_is_exist(self, keys):
+        return self._run(CHECK, keys)
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config):
+        return self._run(PUT, keys, ptrs, sizes, config)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return [name for name, _ in self.calls]
+
+
+@pytest.fixture(scope="module")
+def bounded_store():
+    """A store whose calls are given up at 1 s."""
+    with kvmove.MooncakeStore.embedded(global_segment_size="16mb", call_timeout=1.0) as s:
+        yield s
+
+
+@pytest.fixture
+def slow_store(bounded_store):
+    """``bounded_store`` with a :class:`_Slow` client for one test (the real one after)."""
+    real = bounded_store._client
+    yield bounded_store, swap_client(bounded_store, _Slow)
+    swap_client(bounded_store, lambda _wrapper: real)
+
+
+@pytest.fixture
+def replaced_store():
+    """A store of its own (its client is replaced), calls given up at 1 s, its client a
+    :class:`_Slow`."""
+    with kvmove.MooncakeStore.embedded(global_segment_size="16mb", call_timeout=1.0) as s:
+        yield s, swap_client(s, _Slow)
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_check_and_the_put_are_one_hand_off(slow_store, keyspace, monkeypatch):
+    s, client = slow_store
+    staging = make_staging(GEOMETRIES["hybrid"], num_slots=6, page_tokens=PAGE, seed=41)
+    keys = keyspace(3)
+    runner = default_runner()
+    handed: list = []
+    submit = runner.submit
+    monkeypatch.setattr(runner, "submit", lambda fn, *a: handed.append(fn) or submit(fn, *a))
+    assert list(s.put(kvmove.describe(staging, range(3), keys))) == [Status.OK] * 3
+    assert len(handed) == 1  # one call handed to the runner
+    (check, on), (put, again) = client.calls
+    assert (check, put) == (CHECK, PUT)
+    assert on == again != threading.get_ident()  # its thread made both
+    # A key that exists: the check's call ends there, the others are put by a call of
+    # their own, and nothing stored is overwritten.
+    stored = canonical(staging, 0, PAGE)
+    staging.tensor(staging.buffer_names[0])[:, 0] ^= 0x5A
+    more = [keys[0], *keyspace(1, "more")]
+    client.calls.clear()
+    handed.clear()
+    result = s.put(kvmove.describe(staging, [0, 3], more))
+    assert list(result) == [Status.EXISTS, Status.OK] and result.codes == [-705, 0]
+    assert client.names() == [CHECK, PUT] and len(handed) == 2
+    assert s.get(kvmove.describe(staging, [4, 5], more)).all_ok
+    assert canonical(staging, 4, PAGE) == stored
+    assert canonical(staging, 5, PAGE) == canonical(staging, 3, PAGE)
+    assert calls_in_flight(s) == 0
+
+
+def test_a_check_given_up_starts_no_put_even_when_it_returns(slow_store, keyspace):
+    s, client = slow_store
+    staging = make_staging(GEOMETRIES["mla"], num_slots=2, page_tokens=PAGE, seed=42)
+    keys = keyspace(2)
+    client.delay[CHECK] = 2.0
+    t0 = time.monotonic()
+    result = s.put(kvmove.describe(staging, range(2), keys))
+    took = time.monotonic() - t0
+    assert list(result) == [Status.FAILED] * 2 and result.codes == [CALL_TIMEOUT] * 2
+    assert 0.9 < took < 1.8, took
+    assert result.late is None  # no data call was given up: the rows are free
+    _wait(lambda: CHECK in client.returned)
+    time.sleep(0.2)  # where a put would have started after the late check
+    assert client.names() == [CHECK]
+    client.delay.clear()
+    assert s.exists(keys) == [False, False]
+    assert s._client is client  # a check given up does not replace the client
+
+
+def test_a_put_is_bounded_from_its_own_start(slow_store, keyspace):
+    # 0.6 s of check and 0.6 s of put: longer than one bound together, within it each.
+    s, client = slow_store
+    staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=43)
+    keys = keyspace(2)
+    client.delay.update({CHECK: 0.6, PUT: 0.6})
+    t0 = time.monotonic()
+    result = s.put(kvmove.describe(staging, range(2), keys))
+    assert list(result) == [Status.OK] * 2, result.codes
+    assert time.monotonic() - t0 > 1.2
+    client.delay.clear()
+    assert s.get(kvmove.describe(staging, [2, 3], keys)).all_ok
+    assert canonical(staging, 2, PAGE) == canonical(staging, 0, PAGE)
+
+
+def test_a_put_given_up_is_late_and_reports_what_it_stored(replaced_store, keyspace):
+    s, client = replaced_store
+    staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=44)
+    keys = keyspace(2)
+    client.delay[PUT] = 2.0
+    t0 = time.monotonic()
+    result = s.put(kvmove.describe(staging, range(2), keys))
+    assert time.monotonic() - t0 < 1.8
+    assert list(result) == [Status.FAILED] * 2 and result.codes == [CALL_TIMEOUT] * 2
+    assert result.late is not None and not result.late.done()  # Mooncake reads the rows
+    assert sorted(result.late_stored.result(10)) == sorted(keys)
+    assert result.late.done()
+    # A data call given up: the client is replaced. (Whether the keys are still there is
+    # not asked: the retired wrapper does not look like the segment's client to the store,
+    # which closes it, and the segment with it.)
+    _wait(lambda: s._client is not client)
+
+
+def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace):
+    s, client = slow_store
+    staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=45)
+    keys = keyspace(2)
+    budget = s._budgets[id(s._client)]
+    taken = budget.acquire(budget.limit, 1.0)  # another call's spans fill the queue
+    out: list = []
+    putter = threading.Thread(
+        target=lambda: out.append(s.put(kvmove.describe(staging, range(2), keys))))
+    putter.start()
+    time.sleep(0.5)
+    assert not out and client.names() == [CHECK]  # checked, and waiting for room
+    budget.release(taken)
+    putter.join(10)
+    assert list(out[0]) == [Status.OK] * 2
+    assert s.get(kvmove.describe(staging, [2, 3], keys)).all_ok
+    assert canonical(staging, 3, PAGE) == canonical(staging, 1, PAGE)
