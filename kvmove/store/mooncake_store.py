@@ -274,22 +274,35 @@ _LATE_CLOSE_WAIT_S = 75.0
 
 class _PutGate:
     """Whether the put of a :func:`_check_then_put` may still start: not once its waiter
-    gave up on the check (:meth:`close`)."""
+    gave up on the check (:meth:`close`), nor while the client's spans in flight leave no
+    room for the put's ``spans`` (taken from ``budget`` when it starts, released by
+    :meth:`put_returned`: a check takes none, however long it runs)."""
 
-    __slots__ = ("_closed", "_lock", "opened_at")
+    __slots__ = ("_budget", "_closed", "_lock", "_spans", "_taken", "opened_at")
 
-    def __init__(self):
+    def __init__(self, budget: SpanBudget | None, spans: int):
         self._lock = threading.Lock()
         self._closed = False
+        self._budget, self._spans, self._taken = budget, spans, 0
         self.opened_at: float | None = None  # time.monotonic() when the put started
 
     def open(self) -> bool:
-        """The runner's side: True (and the put may start now) unless closed."""
+        """The runner's side: True (and the put may start now, its spans taken) unless
+        closed or without room now."""
         with self._lock:
             if self._closed:
                 return False
+            if self._budget is not None:
+                self._taken = self._budget.acquire(self._spans, 0.0)
+                if not self._taken:
+                    return False
             self.opened_at = time.monotonic()
             return True
+
+    def put_returned(self) -> None:
+        """The runner's side: the put has really returned; its spans are free."""
+        if self._taken:
+            self._budget.release(self._taken)
 
     def close(self) -> float | None:
         """The waiter's side: no put starts from now on; when the put had started."""
@@ -300,8 +313,9 @@ class _PutGate:
 
 def _check_then_put(client, gate: _PutGate, keys, ptrs, sizes, replicate):
     """Run on a runner thread: Mooncake's exists check of ``keys`` and then, when none of
-    them exists and ``gate`` still opens, the put of every key. Returns ``(check codes, put
-    codes or None, what the put raised or None)``; the check's own error is raised."""
+    them exists and ``gate`` still opens (the put's spans taken), the put of every key.
+    Returns ``(check codes, put codes or None, what the put raised or None)``; the check's
+    own error is raised."""
     flags = client.batch_is_exist(keys)
     if len(flags) != len(keys) or any(flags) or not gate.open():
         return flags, None, None
@@ -309,6 +323,8 @@ def _check_then_put(client, gate: _PutGate, keys, ptrs, sizes, replicate):
         return flags, client.batch_put_from_multi_buffers(keys, ptrs, sizes, replicate), None
     except Exception as e:  # the put's, told apart from the check's
         return flags, None, e
+    finally:
+        gate.put_returned()
 
 
 def _put_codes_when_done(call: Future) -> Future:
@@ -824,31 +840,21 @@ class MooncakeStore:
         returned for ``timeout``). A call given up is logged with its cause and its client
         replaced (for data calls), see the module docstring."""
         timeout = self.config.call_timeout if timeout is None else timeout
-        t0 = time.monotonic()
-        started = self._start(fn, getattr(fn, "__self__", None), args, spans, timeout)
-        if started is None:
-            return CallOutcome(False, seconds=time.monotonic() - t0)
-        return self._outcome(fn, started, spans, timeout)
-
-    def _start(self, fn: Callable, client, args: tuple, spans: int, timeout: float
-               ) -> StartedCall | None:
-        """Start ``fn(*args)`` on a runner once ``spans`` of ``client``'s span budget are
-        free (see :meth:`_bounded`); None when they did not come free (logged, unless
-        ``timeout`` is 0: then the caller only asked whether there is room now)."""
+        client = getattr(fn, "__self__", None)
         budget = self._budgets.get(id(client)) if spans else None
+        t0 = time.monotonic()
         taken = 0
         if budget is not None:
             taken = budget.acquire(spans, timeout)
             if not taken:
-                if timeout <= 0:  # the caller only asked whether there is room now
-                    return None
                 log.warning("Mooncake %s not started: %d of %d spans of this client stayed in "
                             "flight and none returned for %.1f s",
                             getattr(fn, "__name__", "call"), budget.in_flight, budget.limit,
                             timeout)
-                return None
-        return start_call(fn, *args,
-                          on_return=(lambda: budget.release(taken)) if taken else None)
+                return CallOutcome(False, seconds=time.monotonic() - t0)
+        started = start_call(fn, *args,
+                             on_return=(lambda: budget.release(taken)) if taken else None)
+        return self._outcome(fn, started, spans, timeout)
 
     def _outcome(self, fn: Callable, started: StartedCall, spans: int = 0,
                  timeout: float | None = None) -> CallOutcome:
@@ -1170,16 +1176,13 @@ class MooncakeStore:
         costs a scheduling delay). Each half is bounded as its own call would be: the check
         by ``call_timeout`` from its start (given up then, the put never starts), the put by
         ``call_timeout`` from its own start. Returns the check's codes and the put's codes
-        (None when it was not made: some key exists, or the check failed). Where the
-        client's spans in flight leave no room for the put now, the check runs alone (the
-        put then waits for room, as a put does)."""
+        (None when it was not made: some key exists, the check failed, or the client's
+        spans in flight left no room for the put when the check ended: then the caller puts
+        as a put does, waiting for room)."""
         keys, spans, timeout = part.keys, part.num_spans, self.config.call_timeout
-        gate = _PutGate()
-        started = self._start(_check_then_put, client,
-                              (client, gate, keys, part.ptrs, part.sizes, self._replicate),
-                              spans, 0.0)
-        if started is None:
-            return self._batch(client.batch_is_exist, keys), None
+        gate = _PutGate(self._budgets.get(id(client)), spans)
+        started = start_call(_check_then_put, client, gate, keys, part.ptrs, part.sizes,
+                             self._replicate)
         check, put = client.batch_is_exist, client.batch_put_from_multi_buffers
         outcome = started.outcome(timeout)
         if not outcome.done:

@@ -442,14 +442,18 @@ def test_a_mover_that_fails_to_build_unregisters_the_kv_memory(store, monkeypatc
 
 
 @pytest.fixture
-def slow_puts(store):
+def slow_puts(store, monkeypatch):
     """A second store on the master (one key per Mooncake call; calls given up at 0.5 s)
-    whose Mooncake puts take 1.5 s while ``slow[0]`` is true."""
+    whose Mooncake puts take 1.5 s while ``slow[0]`` is true. Its client is kept after a
+    put given up: these tests are about the put, not about the replacement that follows
+    it (``tests/store/test_client_replacement.py``), whose new client's first call may
+    outlast 0.5 s here."""
     config = kvmove.StoreConfig(master_address=store.address, max_batch_keys=1,
                                 call_timeout=0.5, global_segment_size=0)
     s = kvmove.MooncakeStore(config)
     slow = [False]
     swap_client(s, lambda real: _SlowPuts(real, slow))
+    monkeypatch.setattr(s, "_replace_client", lambda old: None)
     yield s, slow
     s.close()
 

@@ -12,7 +12,7 @@ import pytest
 
 import kvmove
 from kvmove import Status
-from kvmove.status import CALL_TIMEOUT
+from kvmove.status import CALL_TIMEOUT, CLIENT_EXCEPTION
 from kvmove.store.bounded_call import default_runner
 from tests.support.staging_data import GEOMETRIES, canonical, make_staging
 from tests.support.store_state import calls_in_flight, swap_client
@@ -30,6 +30,7 @@ class _Slow:
     def __init__(self, real):
         self._real = real
         self.delay: dict[str, float] = {}
+        self.fail: set[str] = set()  # these raise (after their delay)
         self.calls: list[tuple[str, int]] = []
         self.returned: list[str] = []
         self._lock = threading.Lock()
@@ -41,6 +42,8 @@ class _Slow:
         with self._lock:
             self.calls.append((name, threading.get_ident()))
         time.sleep(self.delay.get(name, 0.0))
+        if name in self.fail:
+            raise RuntimeError(f"{name} failed")
         try:
             return getattr(self._real, name)(*args)
         finally:
@@ -95,7 +98,14 @@ def test_the_check_and_the_put_are_one_hand_off(slow_store, keyspace, monkeypatc
     runner = default_runner()
     handed: list = []
     submit = runner.submit
-    monkeypatch.setattr(runner, "submit", lambda fn, *a: handed.append(fn) or submit(fn, *a))
+    store_calls = {"_check_then_put", CHECK, PUT}  # not another test's background work
+
+    def counting(fn, *args):
+        if getattr(fn, "__name__", "") in store_calls:
+            handed.append(fn)
+        return submit(fn, *args)
+
+    monkeypatch.setattr(runner, "submit", counting)
     assert list(s.put(kvmove.describe(staging, range(3), keys))) == [Status.OK] * 3
     assert len(handed) == 1  # one call handed to the runner
     (check, on), (put, again) = client.calls
@@ -128,6 +138,7 @@ def test_a_check_given_up_starts_no_put_even_when_it_returns(slow_store, keyspac
     assert list(result) == [Status.FAILED] * 2 and result.codes == [CALL_TIMEOUT] * 2
     assert 0.9 < took < 1.8, took
     assert result.late is None  # no data call was given up: the rows are free
+    assert s._budgets[id(client)].in_flight == 0  # a check holds no spans of the put
     _wait(lambda: CHECK in client.returned)
     time.sleep(0.2)  # where a put would have started after the late check
     assert client.names() == [CHECK]
@@ -186,3 +197,22 @@ def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace):
     assert list(out[0]) == [Status.OK] * 2
     assert s.get(kvmove.describe(staging, [2, 3], keys)).all_ok
     assert canonical(staging, 3, PAGE) == canonical(staging, 1, PAGE)
+
+
+def test_a_check_that_raises_still_puts_and_a_put_that_raises_fails(slow_store, keyspace):
+    # As with two calls: a check that raised answers no key, so every key is put (by a
+    # call of its own); a put that raised fails every key, nothing stored.
+    s, client = slow_store
+    staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=46)
+    keys = keyspace(4)
+    budget = s._budgets[id(client)]
+    client.fail.add(CHECK)
+    result = s.put(kvmove.describe(staging, range(2), keys[:2]))
+    assert list(result) == [Status.OK] * 2 and client.names() == [CHECK, PUT]
+    client.fail, client.calls[:] = {PUT}, []
+    result = s.put(kvmove.describe(staging, [2, 3], keys[2:]))
+    assert list(result) == [Status.FAILED] * 2 and result.codes == [CLIENT_EXCEPTION] * 2
+    assert client.names() == [CHECK, PUT] and result.late is None
+    assert budget.in_flight == 0
+    client.fail.clear()
+    assert s.exists(keys) == [True, True, False, False]
