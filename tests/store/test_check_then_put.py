@@ -91,21 +91,27 @@ def _wait(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_the_check_and_the_put_are_one_hand_off(slow_store, keyspace, monkeypatch):
-    s, client = slow_store
-    staging = make_staging(GEOMETRIES["hybrid"], num_slots=6, page_tokens=PAGE, seed=41)
-    keys = keyspace(3)
-    runner = default_runner()
-    handed: list = []
+@pytest.fixture
+def handed(monkeypatch) -> list:
+    """The store calls handed to the runner thread from now on (not another test's
+    background work)."""
+    runner, calls = default_runner(), []
     submit = runner.submit
-    store_calls = {"_check_then_put", CHECK, PUT}  # not another test's background work
+    store_calls = {"_check_then_put", CHECK, PUT}
 
     def counting(fn, *args):
         if getattr(fn, "__name__", "") in store_calls:
-            handed.append(fn)
+            calls.append(fn)
         return submit(fn, *args)
 
     monkeypatch.setattr(runner, "submit", counting)
+    return calls
+
+
+def test_the_check_and_the_put_are_one_hand_off(slow_store, keyspace, handed):
+    s, client = slow_store
+    staging = make_staging(GEOMETRIES["hybrid"], num_slots=6, page_tokens=PAGE, seed=41)
+    keys = keyspace(3)
     assert list(s.put(kvmove.describe(staging, range(3), keys))) == [Status.OK] * 3
     assert len(handed) == 1  # one call handed to the runner
     (check, on), (put, again) = client.calls
@@ -180,7 +186,7 @@ def test_a_put_given_up_is_late_and_reports_what_it_stored(replaced_store, keysp
     _wait(lambda: s._client is not client)
 
 
-def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace):
+def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace, handed):
     s, client = slow_store
     staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=45)
     keys = keyspace(2)
@@ -195,6 +201,9 @@ def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace):
     budget.release(taken)
     putter.join(10)
     assert list(out[0]) == [Status.OK] * 2
+    # The check's call did not wait for room (holding the runner, outside the check's
+    # bound): the put was a call of its own.
+    assert [fn.__name__ for fn in handed] == ["_check_then_put", PUT]
     assert s.get(kvmove.describe(staging, [2, 3], keys)).all_ok
     assert canonical(staging, 3, PAGE) == canonical(staging, 1, PAGE)
 
