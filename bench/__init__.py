@@ -7,8 +7,12 @@ set before torch loads OpenMP, hence here): on a small, shared VM (2 vCPUs) torc
 spinning OpenMP workers put a whole process into a mode where every parallel copy runs about
 6x slower (index_select 1.3 instead of 8.5 GB/s, measured), at random per process. Passive
 waiting makes runs comparable; the setting is recorded in each results file.
+``OMP_WAIT_POLICY=default`` runs with the runtime's own default instead (threads spin a
+while after each parallel region: what an engine's process gets).
 """
 
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ["OMP_WAIT_POLICY"].strip().lower() == "default":
+    del os.environ["OMP_WAIT_POLICY"]  # the runtime's default: spin, then sleep

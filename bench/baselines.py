@@ -39,7 +39,7 @@ from kvmove.rows.plan import unit_tokens
 from kvmove.rows.torch_backend import (
     MEMMOVE_MAX_BYTES,
     SERIAL_SELECT_MAX_BYTES,
-    STACKED_SELECT_MAX_BYTES,
+    stacked_select_max_bytes,
 )
 
 Method = tuple[Callable[[], None], int]
@@ -149,7 +149,7 @@ def _stacked_calls(kv_rows, st_rows, case: Case, unit: int, units: torch.Tensor,
                    first: int):
     """The torch backend's one call for every layer, made plainly, where both sides' layers
     are one evenly spaced view (:meth:`BufferRows.stacked_units`) and it makes one (an
-    index_select up to :data:`STACKED_SELECT_MAX_BYTES`); None elsewhere."""
+    index_select up to :func:`stacked_select_max_bytes`); None elsewhere."""
     layers = tuple(range(case.layers))
     kv3, st3 = kv_rows.stacked_units(layers, unit, wide), st_rows.stacked_units(layers, unit, wide)
     if kv3 is None or st3 is None:
@@ -160,7 +160,7 @@ def _stacked_calls(kv_rows, st_rows, case: Case, unit: int, units: torch.Tensor,
         return (lambda: st.copy_(k)) if case.direction == "gather" else (lambda: k.copy_(st))
     st = st3[:, :n]
     if case.direction == "gather":
-        if case.nbytes > STACKED_SELECT_MAX_BYTES:
+        if case.nbytes > stacked_select_max_bytes():
             return None
         return lambda: torch.index_select(kv3, 1, units, out=st)
     return lambda: kv3.index_copy_(1, units, st)

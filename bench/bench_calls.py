@@ -177,7 +177,7 @@ def run(args) -> dict:
              for d in ("gather", "scatter") for tag in tags}
     return {
         "device": str(device), "layers": args.layers, "row_bytes": args.row_bytes,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
         "plain": "one launch of the kernel, arguments prepared" if device.type == "cuda"
         else "the torch primitive calls of the torch backend, made plainly",
         "calls": cases, "median_added_us": added,

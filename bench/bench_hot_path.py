@@ -221,7 +221,7 @@ def run(repeat: int, device: torch.device = CPU, caches: tuple[str, ...] = CACHE
     if device.type == "cpu":
         out["busy"] = busy_gather(repeat)
         figures["busy_gather_over_memmove_loop"] = out["busy"]["busy_gather_over_memmove_loop"]
-    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY") or "default"
     out["targets"] = {}
     for name, v in figures.items():
         figure = name.split(": ")[-1]

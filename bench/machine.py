@@ -55,7 +55,7 @@ def describe(device: torch.device) -> dict:
         "cpu": cpu_model(),
         "cores": cores,
         "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
         "memory_gib": memory_gib(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -14,8 +14,11 @@ made before):
   split over as many threads as torch uses (:data:`SPLIT_MIN_BYTES` and up), 0.6-0.85x at
   1-4 MiB a layer and 0.95x at 16 MiB (memory-bound);
 - one torch thread: numpy 0.65-1.0x at every size (one thread either way);
-- threads that spin (the default): numpy 0.6-0.9x up to 128 KiB a layer, 1.0-1.6x past
-  it; larger copies stay with torch.
+- threads that spin (the default): numpy 0.7-0.75x up to 64 KiB a layer, 1.25-1.9x past
+  it (back to back: torch's threads are awake); larger copies stay with torch.
+
+Torch's runtime reads its variables when torch loads it; :func:`threads_sleep` reads the
+environment as it was when kvmove was imported (a variable set after that changes neither).
 
 Both sides must be host memory whose units are one contiguous block per layer
 (:meth:`BufferRows.unit_arrays`): numpy would first copy a strided source whole.
@@ -42,8 +45,10 @@ import torch
 
 from kvmove.memory.row_pool import BufferRows
 
-# With threads that spin, numpy copies layers of up to this many bytes (see above).
-SPINNING_THREADS_MAX_BYTES = 128 << 10
+# With threads that spin, numpy copies layers of up to this many bytes (see above; measured
+# back to back, 8 layers: 0.7-0.75x torch's time at 33-64 KiB a layer, 1.25-1.55x at
+# 132-164 KiB).
+SPINNING_THREADS_MAX_BYTES = 64 << 10
 # A copy of at least this many bytes (all layers) is split over torch's thread count, at
 # least this many bytes a thread (one part each: more parts measured slower, 0.7-1.0x).
 SPLIT_MIN_BYTES = 1 << 20
@@ -51,10 +56,17 @@ SPLIT_MIN_BYTES = 1 << 20
 
 @functools.cache
 def _threads_sleep() -> bool:
-    """Whether torch's OpenMP threads sleep as soon as a parallel region ends (the runtime
-    reads its variables once, at load): :func:`threads_sleep` of this environment, for the
-    runtime this process loaded."""
-    return threads_sleep(os.environ, _loaded_spin_variables())
+    """Whether torch's OpenMP threads sleep as soon as a parallel region ends:
+    :func:`threads_sleep` of the environment as it was when kvmove was imported (the
+    runtime reads its variables once, when torch loads it: a variable set later changes
+    nothing there, and must change nothing here), for the runtime this process loaded."""
+    return threads_sleep(_ENVIRON_AT_IMPORT, _loaded_spin_variables())
+
+
+def threads_spin() -> bool:
+    """Whether torch runs parallel regions on threads that spin between them (torch's
+    default): a parallel copy then starts on threads already awake."""
+    return torch.get_num_threads() > 1 and not _threads_sleep()
 
 
 # Each OpenMP runtime's own spin setting: libgomp (torch's pip wheels), LLVM and Intel
@@ -65,6 +77,9 @@ SPIN_VARIABLES = {
     "KMP_BLOCKTIME": re.compile(r"(\d+)\s*(?:ms|us|s)?"),
 }
 _RUNTIME_LIBRARIES = {"GOMP_SPINCOUNT": ("libgomp",), "KMP_BLOCKTIME": ("libiomp5", "libomp")}
+# What the runtime read: torch is loaded (kvmove imports it) before this module is.
+_ENVIRON_AT_IMPORT = {name: os.environ[name] for name in ("OMP_WAIT_POLICY", *SPIN_VARIABLES)
+                      if name in os.environ}
 
 
 def _loaded_spin_variables() -> tuple[str, ...]:
@@ -97,9 +112,9 @@ def threads_sleep(environ, spin_variables=tuple(SPIN_VARIABLES)) -> bool:
 def threads_for(layer_bytes: int, layers: int) -> int:
     """How many threads share a host copy of ``layer_bytes`` in each of ``layers`` layers
     (1: the calling thread alone); 0 where torch's calls are faster."""
-    threads = torch.get_num_threads()
-    if threads > 1 and not _threads_sleep():
+    if threads_spin():
         return 1 if layer_bytes <= SPINNING_THREADS_MAX_BYTES else 0
+    threads = torch.get_num_threads()
     return max(1, min(threads, layer_bytes * layers // SPLIT_MIN_BYTES))
 
 

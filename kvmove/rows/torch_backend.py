@@ -23,7 +23,7 @@ Speed on the CPU:
   type (so that a small copy stays on one thread: waking OpenMP workers costs more than it
   moves);
 - into a contiguous run of destination rows, every layer of a stacked cache moves in one
-  ``index_select`` while the copy is small (:data:`STACKED_SELECT_MAX_BYTES`); otherwise
+  ``index_select`` while the copy is small (:func:`stacked_select_max_bytes`); otherwise
   host memory moves by numpy (:mod:`kvmove.rows.host_copy`: a memcpy per unit, on the
   calling thread or split over as many threads as torch uses, where that beats torch's
   OpenMP threads), and the rest by one ``index_select`` per layer (a parallel memcpy per
@@ -42,7 +42,13 @@ import ctypes
 import torch
 
 from kvmove.memory.row_pool import BufferRows, shared_wide_type
-from kvmove.rows.host_copy import host_arrays, put_units, take_into_run, threads_for
+from kvmove.rows.host_copy import (
+    host_arrays,
+    put_units,
+    take_into_run,
+    threads_for,
+    threads_spin,
+)
 from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
 
 # A run of units into a run in host memory moves with one memmove per layer up to this many
@@ -57,12 +63,24 @@ MEMMOVE_MAX_BYTES = 512 << 10
 # is faster (measured: 2-16x at 16 KiB-1 MiB, 8 layers), past a few MiB slower (0.7x at
 # 20-34 MiB) than one dim-0 index_select per layer.
 STACKED_SELECT_MAX_BYTES = 4 << 20
+# ... and with OpenMP threads that spin (torch's default: :func:`threads_spin`), up to this
+# many: past it, per-layer index_selects hand their rows to threads already awake, where the
+# one call (element-wise) stays on one thread (measured back to back, 8 layers: 0.3-0.5x the
+# per-layer calls' time at 264-512 KiB, 1.1-1.5x at 1-1.3 MiB).
+SPINNING_STACKED_SELECT_MAX_BYTES = 512 << 10
 
 # Up to this many bytes a layer, a per-layer index_select runs in wide elements (one thread);
 # past it in bytes (even chunks over the threads).
 SERIAL_SELECT_MAX_BYTES = 64 << 10
 
 _memmove = ctypes.memmove  # releases the GIL, as torch's copies do
+
+
+def stacked_select_max_bytes() -> int:
+    """The largest copy (all layers) that one index_select of every layer makes."""
+    if threads_spin():
+        return min(STACKED_SELECT_MAX_BYTES, SPINNING_STACKED_SELECT_MAX_BYTES)
+    return STACKED_SELECT_MAX_BYTES
 
 
 def _host_run(src: BufferRows, dst: BufferRows, unit: int, part: Part
@@ -126,7 +144,7 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
     layer_bytes = m * unit * src.row_bytes
     if d0 is not None:
-        small = layer_bytes * len(layers) <= STACKED_SELECT_MAX_BYTES
+        small = layer_bytes * len(layers) <= stacked_select_max_bytes()
         s3 = src.stacked_units(layers, unit, wide) if stack and small else None
         d3 = dst.stacked_units(layers, unit, wide) if s3 is not None else None
         if d3 is not None:  # into a run of every layer: one call

@@ -279,8 +279,8 @@ def test_the_choice_follows_how_torchs_threads_wait(monkeypatch):
     kib = 1 << 10
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)  # spinning threads
-    assert host_copy.threads_for(128 * kib, 8) == 1
-    assert host_copy.threads_for(128 * kib + 1, 8) == 0  # torch's threads are faster
+    assert host_copy.threads_for(64 * kib, 8) == 1
+    assert host_copy.threads_for(64 * kib + 1, 8) == 0  # torch's threads are faster
     monkeypatch.setattr(host_copy, "_threads_sleep", lambda: True)  # sleeping threads
     assert host_copy.threads_for(64 * kib, 8) == 1  # 512 KiB in all: no split
     assert host_copy.threads_for(256 * kib, 8) == 2  # 2 MiB: two threads
@@ -288,6 +288,43 @@ def test_the_choice_follows_how_torchs_threads_wait(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)
     assert host_copy.threads_for(64 << 20, 8) == 1  # one thread: numpy at any size
+
+
+def test_one_select_for_every_layer_is_smaller_where_torchs_threads_spin(monkeypatch):
+    """With threads awake, per-layer selects take a copy past 512 KiB (all layers) to them;
+    with sleeping threads or one thread the one call keeps copies up to 4 MiB."""
+    from kvmove.rows.torch_backend import stacked_select_max_bytes
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)
+    assert stacked_select_max_bytes() == 512 << 10
+    monkeypatch.setattr(host_copy, "_threads_sleep", lambda: True)
+    assert stacked_select_max_bytes() == 4 << 20
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)
+    assert stacked_select_max_bytes() == 4 << 20
+
+
+@pytest.mark.parametrize(("at_start", "later", "sleep"), [
+    ("", "PASSIVE", False),  # set after torch loaded its runtime: it spins all the same
+    ("PASSIVE", "ACTIVE", True),
+])
+def test_how_threads_wait_is_read_from_the_environment_torch_loaded_with(at_start, later,
+                                                                        sleep):
+    """The OpenMP runtime reads its variables when torch loads it: a change made after
+    kvmove's import changes neither the runtime nor kvmove's choice."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    if at_start:
+        env["OMP_WAIT_POLICY"] = at_start
+    code = ("import os, torch, kvmove\n"
+            "from kvmove.rows import host_copy\n"
+            f"os.environ['OMP_WAIT_POLICY'] = {later!r}\n"
+            "print(host_copy._threads_sleep())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.split()[-1] == str(sleep)
 
 
 def test_unit_arrays_view_host_rows_and_refuse_padded_ones():
