@@ -1,8 +1,11 @@
 """The timer: every figure is the median of interleaved repeats after warm-up runs; CUDA
 events on a GPU, the monotonic clock on the CPU.
 
-Methods of one case are timed round-robin (the order rotating each repeat), so a change in
-the machine's load during the run hits every method alike and the ratios stay fair. A
+Methods of one case are timed in turn, in an order shuffled each repeat (seeded: the same
+orders every run), so a change in the machine's load during the run hits every method alike,
+and no method always follows the same one (a rotation would: a method that always comes
+after a long serial loop finds torch's OpenMP threads asleep every time, one that follows a
+parallel copy finds them awake). A
 sample of a short call is several calls back to back (about ``min_sample_s`` long): one
 call of a few hundred microseconds measures the machine's other work (a preemption, an
 OpenMP straggler) more than the call.
@@ -10,6 +13,7 @@ OpenMP straggler) more than the call.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -52,6 +56,13 @@ def time_once(fn: Callable[[], object], device: torch.device, calls: int = 1) ->
     return (time.perf_counter() - t0) / calls
 
 
+def repeat_order(names: list[str], repeat: int) -> list[str]:
+    """The order of the methods in repeat ``repeat``: a shuffle seeded by the repeat."""
+    order = list(names)
+    random.Random(repeat).shuffle(order)
+    return order
+
+
 def measure(fns: dict[str, Callable[[], object]], *, device: torch.device, warmup: int,
             repeats: int, min_sample_s: float = 0.0, max_calls: int = 1000
             ) -> dict[str, Timing]:
@@ -71,7 +82,6 @@ def measure(fns: dict[str, Callable[[], object]], *, device: torch.device, warmu
         calls = max(1, min(max_calls, int(min_sample_s / max(slowest, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        k = r % len(names) if names else 0
-        for name in names[k:] + names[:k]:
+        for name in repeat_order(names, r):
             samples[name].append(time_once(fns[name], device, calls))
     return {name: Timing(s, calls) for name, s in samples.items()}

@@ -240,3 +240,21 @@ def test_a_suite_runs_in_a_process_of_its_own(monkeypatch):
     assert run_all.run_suite("calls", True, Console()) == {"failed": "exit code 2"}
     monkeypatch.setitem(run_all.SUITES, "calls", ("bench.bench_nothing", [], []))
     assert "not there yet" in run_all.run_suite("calls", True, Console())["skipped"]
+
+
+def test_methods_are_timed_in_an_order_that_changes_who_runs_before_whom():
+    """Each repeat shuffles the methods (the same shuffles every run): over a run every
+    method follows several others, and each one comes first sometimes."""
+    from bench.timing import measure, repeat_order
+    names = [f"m{i}" for i in range(6)]
+    orders = [repeat_order(names, r) for r in range(9)]
+    assert orders == [repeat_order(names, r) for r in range(9)]  # deterministic
+    assert all(sorted(o) == names for o in orders)
+    before = {n: {o[o.index(n) - 1] for o in orders if o.index(n)} for n in names}
+    assert all(len(b) >= 2 for b in before.values()), before
+    assert len({o[0] for o in orders}) >= 3
+    ran = []
+    fns = {n: (lambda n=n: ran.append(n)) for n in names}
+    timings = measure(fns, device=torch.device("cpu"), warmup=0, repeats=3)
+    assert ran == [n for r in range(3) for n in repeat_order(names, r)]
+    assert all(len(t.samples) == 3 for t in timings.values())
