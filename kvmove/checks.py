@@ -92,10 +92,16 @@ def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
     )
 
 
-def check_unique(rows: torch.Tensor | np.ndarray, name: str, *, page_tokens: int = 1) -> None:
+def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
+                 page_tokens: int = 1) -> None:
     """No destination row named twice (``-1`` excepted): the result would depend on order.
     ``rows`` may be page numbers of whole pages of ``page_tokens`` rows (the message names
-    the page's first row)."""
+    the page's first row), or a list of them (a few pages: a set costs less than numpy's
+    calls, the more so on cold caches)."""
+    if isinstance(rows, list):
+        if len(set(rows)) == len(rows):
+            return
+        rows = np.array(rows, dtype=np.int64)
     a = _values(rows)
     if a.shape[0] < 2 or bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
         return

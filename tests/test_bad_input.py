@@ -59,6 +59,8 @@ def test_gather_rejects(case, override, error, match, backend, monkeypatch):
 SCATTER_CASES = [
     ("duplicate destination rows", dict(token_pages=torch.tensor([[0, 1], [1, 3]])), ValueError,
      "more than once"),
+    ("duplicate whole pages", dict(token_pages=torch.tensor([[2, 3], [2, 3]])), ValueError,
+     "more than once"),
     ("token out of range", dict(token_pages=torch.tensor([[0, 99], [1, 2]])), IndexError,
      "token_pages"),
     ("layer out of range", dict(layers=2), IndexError, "layer 2"),

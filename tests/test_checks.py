@@ -50,6 +50,13 @@ def test_check_unique_ignores_skips_and_names_the_repeated_row():
         checks.check_unique(torch.tensor([3, 1, 3]), "rows")
     with pytest.raises(ValueError, match="names row/slot 8 more than once"):
         checks.check_unique(np.array([2, 2]), "pages", page_tokens=4)
+    # a list (a few pages of a plan made in Python): the same answers
+    checks.check_unique([-1, -1, 3, 1], "rows")
+    checks.check_unique([5, 0, 2], "rows")
+    with pytest.raises(ValueError, match="names row/slot 3 more than once"):
+        checks.check_unique([3, 1, 3], "rows")
+    with pytest.raises(ValueError, match="names row/slot 8 more than once"):
+        checks.check_unique([2, 0, 2], "pages", page_tokens=4)
 
 
 def test_check_disjoint():

@@ -79,7 +79,7 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
         plan = plan_whole_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
         if plan is not None:  # every row in range: only the destinations' uniqueness is left
             if check and token_pages.shape[0] > 1:
-                check_unique(plan.pages[1], "slots" if gathering else "token_pages",
+                check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",
                              page_tokens=1 if gathering else prepared.page_tokens)
             return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan
     if check:

@@ -74,6 +74,11 @@ class Part:
             values = self._sides[side] = np.array(values, dtype=np.int64)
         return values
 
+    def listed(self, side: str) -> np.ndarray | list[int]:
+        """The unit numbers of ``side`` as they are held: a list where the plan was made from
+        one and no copy has needed an array yet."""
+        return self._sides[side]
+
     @property
     def src(self) -> np.ndarray:
         return self.values("src")
@@ -129,6 +134,12 @@ class RowPlan:
         """``(src, dst)`` page numbers of the whole pages (int64), or None."""
         part = self._units.get(self.page_tokens)
         return None if part is None else (part.src, part.dst)
+
+    def whole_pages(self, side: str) -> np.ndarray | list[int] | None:
+        """The page numbers of ``side`` ("src" or "dst") of the whole pages, as the plan
+        holds them (:meth:`Part.listed`), or None."""
+        part = self._units.get(self.page_tokens)
+        return None if part is None else part.listed(side)
 
     @property
     def rows(self) -> Part:
