@@ -18,7 +18,9 @@ made before):
   it (back to back: torch's threads are awake); larger copies stay with torch.
 
 Torch's runtime reads its variables when torch loads it; :func:`threads_sleep` reads the
-environment as it was when kvmove was imported (a variable set after that changes neither).
+environment as it was then, as near as kvmove can tell: at kvmove's import where torch was
+loaded before it, else when this module loads torch (a variable set after that changes
+neither).
 
 Both sides must be host memory whose units are one contiguous block per layer
 (:meth:`BufferRows.unit_arrays`): numpy would first copy a strided source whole.
@@ -43,6 +45,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+import kvmove
 from kvmove.memory.row_pool import BufferRows
 
 # With threads that spin, numpy copies layers of up to this many bytes (see above; measured
@@ -57,9 +60,9 @@ SPLIT_MIN_BYTES = 1 << 20
 @functools.cache
 def _threads_sleep() -> bool:
     """Whether torch's OpenMP threads sleep as soon as a parallel region ends:
-    :func:`threads_sleep` of the environment as it was when kvmove was imported (the
-    runtime reads its variables once, when torch loads it: a variable set later changes
-    nothing there, and must change nothing here), for the runtime this process loaded."""
+    :func:`threads_sleep` of the environment as it was when torch was loaded (the runtime
+    reads its variables once, then: a variable set later changes nothing there, and must
+    change nothing here), for the runtime this process loaded."""
     return threads_sleep(_ENVIRON_AT_IMPORT, _loaded_spin_variables())
 
 
@@ -77,9 +80,12 @@ SPIN_VARIABLES = {
     "KMP_BLOCKTIME": re.compile(r"(\d+)\s*(?:ms|us|s)?"),
 }
 _RUNTIME_LIBRARIES = {"GOMP_SPINCOUNT": ("libgomp",), "KMP_BLOCKTIME": ("libiomp5", "libomp")}
-# What the runtime read: torch is loaded (kvmove imports it) before this module is.
-_ENVIRON_AT_IMPORT = {name: os.environ[name] for name in ("OMP_WAIT_POLICY", *SPIN_VARIABLES)
-                      if name in os.environ}
+# What the runtime read: the environment at kvmove's import where torch was loaded before it,
+# else at this module's (whose import of torch loads it).
+_ENVIRON_AT_IMPORT = {name: value for name, value in
+                      (os.environ if kvmove._ENVIRON_AT_IMPORT is None
+                       else kvmove._ENVIRON_AT_IMPORT).items()
+                      if name in ("OMP_WAIT_POLICY", *SPIN_VARIABLES)}
 
 
 def _loaded_spin_variables() -> tuple[str, ...]:

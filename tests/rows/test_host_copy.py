@@ -304,24 +304,30 @@ def test_one_select_for_every_layer_is_smaller_where_torchs_threads_spin(monkeyp
     assert stacked_select_max_bytes() == 4 << 20
 
 
-@pytest.mark.parametrize(("at_start", "later", "sleep"), [
-    ("", "PASSIVE", False),  # set after torch loaded its runtime: it spins all the same
-    ("PASSIVE", "ACTIVE", True),
+@pytest.mark.parametrize(("at_start", "later", "order", "sleep"), [
+    # set after torch loaded its runtime: it spins all the same, whenever kvmove's modules
+    # load (they load lazily)
+    ("", "PASSIVE", "torch, kvmove, host_copy, set", False),
+    ("", "PASSIVE", "torch, kvmove, set, host_copy", False),
+    ("PASSIVE", "ACTIVE", "torch, kvmove, set, host_copy", True),
+    # set before torch loads (kvmove imported first): the runtime reads it
+    ("", "PASSIVE", "kvmove, set, torch, host_copy", True),
 ])
 def test_how_threads_wait_is_read_from_the_environment_torch_loaded_with(at_start, later,
-                                                                        sleep):
-    """The OpenMP runtime reads its variables when torch loads it: a change made after
-    kvmove's import changes neither the runtime nor kvmove's choice."""
+                                                                        order, sleep):
+    """The OpenMP runtime reads its variables when torch loads it: a change made after that
+    changes neither the runtime nor kvmove's choice; one made before it changes both."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     if at_start:
         env["OMP_WAIT_POLICY"] = at_start
-    code = ("import os, torch, kvmove\n"
-            "from kvmove.rows import host_copy\n"
-            f"os.environ['OMP_WAIT_POLICY'] = {later!r}\n"
-            "print(host_copy._threads_sleep())\n")
+    steps = {"torch": "import torch", "kvmove": "import kvmove",
+             "host_copy": "from kvmove.rows import host_copy",
+             "set": f"os.environ['OMP_WAIT_POLICY'] = {later!r}"}
+    code = "\n".join(["import os", *(steps[s] for s in order.split(", ")),
+                      "print(host_copy._threads_sleep())", ""])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
     assert out.stdout.split()[-1] == str(sleep)
