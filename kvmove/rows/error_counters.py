@@ -15,6 +15,7 @@ capture a counter is a plain ``torch.zeros``: the graph then zeroes it on every 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -28,6 +29,9 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 _host_counters: list[torch.Tensor] = []  # zeroed views, each handed out once
+# A forked child starts a pool of its own: a block a caller shared (share_memory_ moves the
+# whole block) would otherwise hand the same counters out in both processes.
+os.register_at_fork(after_in_child=_host_counters.clear)
 
 
 def _host_counter() -> torch.Tensor:
@@ -35,7 +39,11 @@ def _host_counter() -> torch.Tensor:
         return _host_counters.pop()  # atomic: no two callers get the same view
     except IndexError:
         pass
-    views = list(torch.zeros(BLOCK, 1, dtype=torch.int32).unbind(0))  # [1] each
+    # Made as the plain CPU tensor any call may count into, whatever the caller's context at
+    # refill time (an inference-mode block would refuse in-place adds outside that mode; a
+    # default-device context would move it).
+    with torch.inference_mode(False):
+        views = list(torch.zeros(BLOCK, 1, dtype=torch.int32, device="cpu").unbind(0))
     counter = views.pop()
     _host_counters.extend(views)  # a racing refill adds its own block's views: none shared
     return counter

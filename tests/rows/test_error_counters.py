@@ -3,8 +3,10 @@ own, across blocks and threads, and counting into one changes no other."""
 
 from __future__ import annotations
 
+import os
 import threading
 
+import pytest
 import torch
 
 import kvmove
@@ -51,3 +53,44 @@ def test_gathers_return_counters_of_their_own_bad_rows():
                           check=False)
     second = kvmove.gather(kv, staging, bad, torch.arange(4), backend="torch", check=False)
     assert (int(first), int(clean), int(second)) == (2, 0, 2)
+
+
+def test_host_counters_are_plain_cpu_tensors_whatever_the_context_of_a_refill():
+    """A block made under inference mode or a default-device context still gives counters a
+    call outside them can count into (and pass back as ``errors=``)."""
+    cpu = torch.device("cpu")
+    error_counters._host_counters.clear()  # the next call makes a block
+    with torch.inference_mode(), torch.device("meta"):
+        inside = error_counters.new_error_counter(cpu)
+    after = error_counters.new_error_counter(cpu)  # from the block made inside
+    for counter in (inside, after):
+        assert counter.device == cpu and not counter.is_inference()
+        counter += 1
+        assert int(counter) == 1
+    kv = build_cache([("kv", 2, 656, torch.uint8, 0, True)], 16)
+    staging = kvmove.StagingBuffer(kv, num_slots=4, page_tokens=1)
+    with torch.inference_mode():
+        kvmove.gather(kv, staging, torch.tensor([[1], [99]]), torch.arange(2), backend="torch",
+                      check=False)  # refills nothing, counts inside the mode
+    out = kvmove.gather(kv, staging, torch.tensor([[99]]), torch.arange(1), backend="torch",
+                        check=False, errors=after)
+    assert out is after and int(after) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_never_hands_out_its_parents_counters():
+    cpu = torch.device("cpu")
+    shared = error_counters.new_error_counter(cpu)
+    shared.share_memory_()  # the whole block moves to shared memory
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            mine = error_counters.new_error_counter(cpu)
+            mine += 5
+            code = 0 if not mine.is_shared() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(error_counters.new_error_counter(cpu)) == 0
