@@ -7,13 +7,10 @@ The public names are loaded on first use (PEP 562), so that ``import kvmove.cli`
 from __future__ import annotations
 
 import importlib
-import os as _os
-import sys as _sys
 
-# The environment torch's OpenMP runtime read, where torch was loaded before kvmove (it
-# reads its variables once, at load; kvmove's modules import lazily, maybe after the caller
-# changed them): how torch's threads wait decides the CPU copies (kvmove.rows.host_copy).
-_ENVIRON_AT_IMPORT = dict(_os.environ) if "torch" in _sys.modules else None
+from kvmove import openmp_environ as _openmp_environ
+
+_openmp_environ.watch()  # how torch's OpenMP threads wait, as torch loads (CPU copies)
 
 # public name -> module that defines it
 _EXPORTS = {

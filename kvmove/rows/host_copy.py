@@ -17,10 +17,8 @@ made before):
 - threads that spin (the default): numpy 0.7-0.75x up to 64 KiB a layer, 1.25-1.9x past
   it (back to back: torch's threads are awake); larger copies stay with torch.
 
-Torch's runtime reads its variables when torch loads it; :func:`threads_sleep` reads the
-environment as it was then, as near as kvmove can tell: at kvmove's import where torch was
-loaded before it, else when this module loads torch (a variable set after that changes
-neither).
+Torch's runtime reads its variables when torch loads it; the choice reads them as they were
+then (:mod:`kvmove.openmp_environ`): a variable set after that changes neither.
 
 Both sides must be host memory whose units are one contiguous block per layer
 (:meth:`BufferRows.unit_arrays`): numpy would first copy a strided source whole.
@@ -45,8 +43,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-import kvmove
 from kvmove.memory.row_pool import BufferRows
+from kvmove.openmp_environ import openmp_environ
 
 # With threads that spin, numpy copies layers of up to this many bytes (see above; measured
 # back to back, 8 layers: 0.7-0.75x torch's time at 33-64 KiB a layer, 1.25-1.55x at
@@ -60,10 +58,10 @@ SPLIT_MIN_BYTES = 1 << 20
 @functools.cache
 def _threads_sleep() -> bool:
     """Whether torch's OpenMP threads sleep as soon as a parallel region ends:
-    :func:`threads_sleep` of the environment as it was when torch was loaded (the runtime
-    reads its variables once, then: a variable set later changes nothing there, and must
-    change nothing here), for the runtime this process loaded."""
-    return threads_sleep(_ENVIRON_AT_IMPORT, _loaded_spin_variables())
+    :func:`threads_sleep` of the variables as they were when torch loaded (the runtime reads
+    them once, then: a variable set later changes nothing there, and must change nothing
+    here), for the runtime this process loaded."""
+    return threads_sleep(openmp_environ(), _loaded_spin_variables())
 
 
 def threads_spin() -> bool:
@@ -80,12 +78,6 @@ SPIN_VARIABLES = {
     "KMP_BLOCKTIME": re.compile(r"(\d+)\s*(?:ms|us|s)?"),
 }
 _RUNTIME_LIBRARIES = {"GOMP_SPINCOUNT": ("libgomp",), "KMP_BLOCKTIME": ("libiomp5", "libomp")}
-# What the runtime read: the environment at kvmove's import where torch was loaded before it,
-# else at this module's (whose import of torch loads it).
-_ENVIRON_AT_IMPORT = {name: value for name, value in
-                      (os.environ if kvmove._ENVIRON_AT_IMPORT is None
-                       else kvmove._ENVIRON_AT_IMPORT).items()
-                      if name in ("OMP_WAIT_POLICY", *SPIN_VARIABLES)}
 
 
 def _loaded_spin_variables() -> tuple[str, ...]:

@@ -310,8 +310,10 @@ def test_one_select_for_every_layer_is_smaller_where_torchs_threads_spin(monkeyp
     ("", "PASSIVE", "torch, kvmove, host_copy, set", False),
     ("", "PASSIVE", "torch, kvmove, set, host_copy", False),
     ("PASSIVE", "ACTIVE", "torch, kvmove, set, host_copy", True),
+    ("", "PASSIVE", "kvmove, torch, set, host_copy", False),  # isort's order
     # set before torch loads (kvmove imported first): the runtime reads it
     ("", "PASSIVE", "kvmove, set, torch, host_copy", True),
+    ("", "PASSIVE", "kvmove, set, host_copy", True),  # its import loads torch
 ])
 def test_how_threads_wait_is_read_from_the_environment_torch_loaded_with(at_start, later,
                                                                         order, sleep):
