@@ -8,11 +8,19 @@ spinning OpenMP workers put a whole process into a mode where every parallel cop
 6x slower (index_select 1.3 instead of 8.5 GB/s, measured), at random per process. Passive
 waiting makes runs comparable; the setting is recorded in each results file.
 ``OMP_WAIT_POLICY=default`` runs with the runtime's own default instead (threads spin a
-while after each parallel region: what an engine's process gets).
+while after each parallel region: what an engine's process gets), in the suites a run
+starts as processes of their own too.
 """
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if os.environ["OMP_WAIT_POLICY"].strip().lower() == "default":
-    del os.environ["OMP_WAIT_POLICY"]  # the runtime's default: spin, then sleep
+# Set here (and inherited by the suites' processes) where OMP_WAIT_POLICY=default asked for
+# the runtime's default: the variable itself is then unset.
+RUNTIME_DEFAULT = "KVMOVE_BENCH_OMP_RUNTIME_DEFAULT"
+
+if (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "default"
+        or os.environ.get(RUNTIME_DEFAULT) == "1"):
+    os.environ.pop("OMP_WAIT_POLICY", None)  # the runtime's default: spin, then sleep
+    os.environ[RUNTIME_DEFAULT] = "1"
+else:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -258,3 +258,23 @@ def test_methods_are_timed_in_an_order_that_changes_who_runs_before_whom():
     timings = measure(fns, device=torch.device("cpu"), warmup=0, repeats=3)
     assert ran == [n for r in range(3) for n in repeat_order(names, r)]
     assert all(len(t.samples) == 3 for t in timings.values())
+
+
+@pytest.mark.parametrize(("asked", "seen"), [(None, "PASSIVE"), ("default", None),
+                                             ("ACTIVE", "ACTIVE")])
+def test_the_openmp_policy_asked_for_reaches_the_suites_processes(asked, seen):
+    """``OMP_WAIT_POLICY=default`` (the runtime's own default) holds in a suite that a run
+    starts as a process of its own, as PASSIVE (the bench's default) and any other do."""
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "KVMOVE_BENCH_OMP_RUNTIME_DEFAULT")}
+    if asked is not None:
+        env["OMP_WAIT_POLICY"] = asked
+    child = ("import bench, os; print(os.environ.get('OMP_WAIT_POLICY'))")
+    parent = ("import bench, subprocess, sys; "
+              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
+              "text=True, check=True).stdout.strip())")
+    out = subprocess.run([sys.executable, "-c", parent], env=env, capture_output=True,
+                         text=True, check=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == str(seen)
