@@ -1,19 +1,19 @@
 """The timer: every figure is the median of interleaved repeats after warm-up runs; CUDA
 events on a GPU, the monotonic clock on the CPU.
 
-Methods of one case are timed in turn, in an order shuffled each repeat (seeded: the same
-orders every run), so a change in the machine's load during the run hits every method alike,
-and no method always follows the same one (a rotation would: a method that always comes
-after a long serial loop finds torch's OpenMP threads asleep every time, one that follows a
-parallel copy finds them awake). A
-sample of a short call is several calls back to back (about ``min_sample_s`` long): one
-call of a few hundred microseconds measures the machine's other work (a preemption, an
-OpenMP straggler) more than the call.
+Methods of one case are timed in turn, in an order that changes each repeat, so a change in
+the machine's load during the run hits every method alike, and no method always follows the
+same one (a rotation would: a method that always comes after a long serial loop finds
+torch's OpenMP threads asleep every time, one that follows a parallel copy finds them awake).
+The orders are the rows of a Williams square (:func:`repeat_order`): over ``n`` repeats
+(``2n`` for an odd number of methods) each method comes at each place, and right after each
+other method, equally often. A sample of a short call is several calls back to back (about
+``min_sample_s`` long): one call of a few hundred microseconds measures the machine's other
+work (a preemption, an OpenMP straggler) more than the call.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -57,10 +57,25 @@ def time_once(fn: Callable[[], object], device: torch.device, calls: int = 1) ->
 
 
 def repeat_order(names: list[str], repeat: int) -> list[str]:
-    """The order of the methods in repeat ``repeat``: a shuffle seeded by the repeat."""
-    order = list(names)
-    random.Random(repeat).shuffle(order)
-    return order
+    """The order of the methods in repeat ``repeat``: row ``repeat`` of a Williams square
+    (first row ``0, 1, n-1, 2, n-2, ...``, each next row every index plus one; for an odd
+    ``n`` the mirrored rows follow), balanced for the place of each method and for the one
+    before it."""
+    n = len(names)
+    if n < 3:  # two methods: alternate which comes first
+        return list(names) if repeat % 2 == 0 or n < 2 else list(reversed(names))
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = n if n % 2 == 0 else 2 * n
+    k = repeat % rows
+    row = first if k < n else first[::-1]
+    return [names[(i + k) % n] for i in row]
 
 
 def measure(fns: dict[str, Callable[[], object]], *, device: torch.device, warmup: int,

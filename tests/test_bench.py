@@ -242,21 +242,28 @@ def test_a_suite_runs_in_a_process_of_its_own(monkeypatch):
     assert "not there yet" in run_all.run_suite("calls", True, Console())["skipped"]
 
 
-def test_methods_are_timed_in_an_order_that_changes_who_runs_before_whom():
-    """Each repeat shuffles the methods (the same shuffles every run): over a run every
-    method follows several others, and each one comes first sometimes."""
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_methods_are_timed_in_an_order_that_changes_who_runs_before_whom(n):
+    """Over a full square of repeats each method comes at each place, and right after each
+    other method, equally often; ``measure`` runs them in those orders."""
+    import itertools
+    from collections import Counter
+
     from bench.timing import measure, repeat_order
-    names = [f"m{i}" for i in range(6)]
-    orders = [repeat_order(names, r) for r in range(9)]
-    assert orders == [repeat_order(names, r) for r in range(9)]  # deterministic
+    names = [f"m{i}" for i in range(n)]
+    rows = n if n % 2 == 0 else 2 * n
+    orders = [repeat_order(names, r) for r in range(rows)]
     assert all(sorted(o) == names for o in orders)
-    before = {n: {o[o.index(n) - 1] for o in orders if o.index(n)} for n in names}
-    assert all(len(b) >= 2 for b in before.values()), before
-    assert len({o[0] for o in orders}) >= 3
+    places = Counter((i, m) for o in orders for i, m in enumerate(o))
+    assert set(places.values()) == {rows // n}
+    if n > 2:
+        after = Counter((a, b) for o in orders for a, b in itertools.pairwise(o))
+        assert len(after) == n * (n - 1) and set(after.values()) == {rows // n}
+    assert repeat_order(names, rows) == orders[0]  # the square repeats
     ran = []
-    fns = {n: (lambda n=n: ran.append(n)) for n in names}
+    fns = {m: (lambda m=m: ran.append(m)) for m in names}
     timings = measure(fns, device=torch.device("cpu"), warmup=0, repeats=3)
-    assert ran == [n for r in range(3) for n in repeat_order(names, r)]
+    assert ran == [m for r in range(3) for m in repeat_order(names, r)]
     assert all(len(t.samples) == 3 for t in timings.values())
 
 
