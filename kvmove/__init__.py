@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from kvmove import openmp_environ as _openmp_environ
+from kvmove.rows import openmp_environ as _openmp_environ
 
 _openmp_environ.watch()  # how torch's OpenMP threads wait, as torch loads (CPU copies)
 

@@ -48,7 +48,7 @@ def watch() -> None:
         sys.meta_path.insert(0, _TorchImportWatch())
 
 
-def openmp_environ() -> dict[str, str]:
+def as_torch_loaded() -> dict[str, str]:
     """The variables as torch's runtime read them (as they are now, where torch has not
     loaded yet)."""
     return _now() if _at_load is None else dict(_at_load)
