@@ -7,7 +7,8 @@ loaded:
 - torch already loaded when kvmove is imported: as they are then (a change made between
   the two imports is not seen: nothing records it);
 - otherwise: as they are when torch's import starts, seen by a finder first on
-  ``sys.meta_path`` that looks at the name asked for and finds nothing itself.
+  ``sys.meta_path`` that looks at the name asked for and finds nothing itself (it notes
+  every search for torch until torch is loaded: the last one is the import).
 
 Standard library only: ``import kvmove`` does not import torch.
 """
@@ -34,7 +35,9 @@ class _TorchImportWatch:
 
     def find_spec(self, fullname, path=None, target=None):
         global _at_load
-        if fullname == "torch" and _at_load is None:
+        # Each search for torch until it is loaded: the last is its import (a library may
+        # look for it earlier without importing it: importlib.util.find_spec).
+        if fullname == "torch" and "torch" not in sys.modules:
             _at_load = _now()
         return None  # never finds a module: the next finder does
 

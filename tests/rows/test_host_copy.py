@@ -314,6 +314,8 @@ def test_one_select_for_every_layer_is_smaller_where_torchs_threads_spin(monkeyp
     # set before torch loads (kvmove imported first): the runtime reads it
     ("", "PASSIVE", "kvmove, set, torch, host_copy", True),
     ("", "PASSIVE", "kvmove, set, host_copy", True),  # its import loads torch
+    # a library looked for torch before (importlib.util.find_spec), then the import
+    ("", "PASSIVE", "kvmove, find, set, torch, host_copy", True),
 ])
 def test_how_threads_wait_is_read_from_the_environment_torch_loaded_with(at_start, later,
                                                                         order, sleep):
@@ -326,6 +328,7 @@ def test_how_threads_wait_is_read_from_the_environment_torch_loaded_with(at_star
     if at_start:
         env["OMP_WAIT_POLICY"] = at_start
     steps = {"torch": "import torch", "kvmove": "import kvmove",
+             "find": "import importlib.util; importlib.util.find_spec('torch')",
              "host_copy": "from kvmove.rows import host_copy",
              "set": f"os.environ['OMP_WAIT_POLICY'] = {later!r}"}
     code = "\n".join(["import os", *(steps[s] for s in order.split(", ")),
