@@ -22,7 +22,7 @@ from kvmove.cli.cluster_node import ClusterNode, NodeProcess
 from kvmove.memory.host_memory import HostMemory
 from kvmove.status import BAD_ROWS
 from tests.support.caches import GEOMETRIES, snapshot
-from tests.support.store_state import registered_regions, swap_client
+from tests.support.store_state import PUT, SlowClient, registered_regions, swap_client
 from tests.support.threads import close_while_calling
 
 PATHS = ("staged", "in_place")
@@ -444,34 +444,17 @@ def test_a_mover_that_fails_to_build_unregisters_the_kv_memory(store, monkeypatc
 @pytest.fixture
 def slow_puts(store, monkeypatch):
     """A second store on the master (one key per Mooncake call; calls given up at 0.5 s)
-    whose Mooncake puts take 1.5 s while ``slow[0]`` is true. Its client is kept after a
-    put given up: these tests are about the put, not about the replacement that follows
-    it (``tests/store/test_client_replacement.py``), whose new client's first call may
-    outlast 0.5 s here."""
+    and its :class:`SlowClient` (``delay[PUT] = 1.5`` makes its puts outlast that). Its
+    client is kept after a put given up: these tests are about the put, not about the
+    replacement that follows it (``tests/store/test_client_replacement.py``), whose new
+    client's first call may outlast 0.5 s here."""
     config = kvmove.StoreConfig(master_address=store.address, max_batch_keys=1,
                                 call_timeout=0.5, global_segment_size=0)
     s = kvmove.MooncakeStore(config)
-    slow = [False]
-    swap_client(s, lambda real: _SlowPuts(real, slow))
+    client = swap_client(s, SlowClient)
     monkeypatch.setattr(s, "_replace_client", lambda old: None)
-    yield s, slow
+    yield s, client
     s.close()
-
-
-class _SlowPuts:
-    """A Mooncake client that forwards every call; its puts take 1.5 s more while
-    ``slow[0]`` is true."""
-
-    def __init__(self, real, slow: list[bool]):
-        self._real, self._slow = real, slow
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def batch_put_from_multi_buffers(self, *args):  # a data call, run late
-        if self._slow[0]:
-            time.sleep(1.5)
-        return self._real.batch_put_from_multi_buffers(*args)
 
 
 def returned(store) -> None:
@@ -487,17 +470,17 @@ def test_a_put_given_up_removes_only_what_it_stored(slow_puts, keyspace):
     # Keys are content hashes: an evict of keys stored earlier is common. A put given up
     # removes, once it returns, the keys it stored (their bytes may be of two moments), not
     # a key it never tried (an object stored earlier, good, stays).
-    s, slow = slow_puts
+    s, client = slow_puts
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     new, old = keyspace(2)
     pages = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
     with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
         assert m.evict([old], pages[1:]).wait() == [Status.OK]
-        slow[0] = True
+        client.delay[PUT] = 1.5
         result = m.evict([new, old], pages).result()  # new's call given up, old's not tried
         assert result.statuses == [Status.FAILED] * 2
         assert result.codes == [kvmove.status.CALL_TIMEOUT] * 2
-        slow[0] = False
+        client.delay.clear()
         returned(s)
         dest = torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]])
         assert m.prefetch([new, old], dest).wait() == [Status.MISS, Status.OK]
@@ -511,14 +494,14 @@ def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(s
     # The late call stores the key (bytes of a moment the engine may have written over) and
     # is then removed: a retry meanwhile would be reported stored, then removed. It ends
     # FAILED instead; once the late call has returned, a retry stores the key for good.
-    s, slow = slow_puts
+    s, client = slow_puts
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     keys = keyspace(1)
     page = torch.tensor([[0, 1, 2, 3]])
     with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
-        slow[0] = True
+        client.delay[PUT] = 1.5
         assert m.evict(keys, page).wait() == [Status.FAILED]
-        slow[0] = False
+        client.delay.clear()
         retry = m.evict(keys, page).result()
         assert retry.statuses == [Status.FAILED]
         assert retry.codes == [kvmove.status.CALL_TIMEOUT]
@@ -533,16 +516,16 @@ def test_close_keeps_the_kv_rows_registered_until_a_put_given_up_returns(slow_pu
                                                                         keyspace):
     # Mooncake reads the KV rows (and the zero row of padding) until a given-up put really
     # returns: close() leaves them registered and allocated until then, then releases them.
-    s, slow = slow_puts
+    s, client = slow_puts
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     m = kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place")
     regions = set(m._rows.regions())
     closed = []
     real_close = m._rows.close
     m._rows.close = lambda: (closed.append(True), real_close())
-    slow[0] = True
+    client.delay[PUT] = 1.5
     assert m.evict(keyspace(1), torch.tensor([[0, 1, -1, 3]])).wait() == [Status.FAILED]
-    slow[0] = False
+    client.delay.clear()
     m.close()
     assert regions <= set(registered_regions(s))  # still read by the call given up
     assert closed == []  # the zero row it reads is still allocated

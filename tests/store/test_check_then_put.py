@@ -15,50 +15,11 @@ from kvmove import Status
 from kvmove.status import CALL_TIMEOUT, CLIENT_EXCEPTION
 from kvmove.store.bounded_call import default_runner
 from tests.support.staging_data import GEOMETRIES, canonical, make_staging
-from tests.support.store_state import calls_in_flight, swap_client
+from tests.support.store_state import CHECK, PUT, SlowClient, calls_in_flight, swap_client
 
 pytestmark = pytest.mark.store
 
 PAGE = 4
-CHECK, PUT = "batch_is_exist", "batch_put_from_multi_buffers"
-
-
-class _Slow:
-    """A Mooncake client that forwards every call; it records which thread made each exists
-    check and put, and delays them by ``delay[name]`` seconds first."""
-
-    def __init__(self, real):
-        self._real = real
-        self.delay: dict[str, float] = {}
-        self.fail: set[str] = set()  # these raise (after their delay)
-        self.calls: list[tuple[str, int]] = []
-        self.returned: list[str] = []
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def _run(self, name: str, *args):
-        with self._lock:
-            self.calls.append((name, threading.get_ident()))
-        time.sleep(self.delay.get(name, 0.0))
-        if name in self.fail:
-            raise RuntimeError(f"{name} failed")
-        try:
-            return getattr(self._real, name)(*args)
-        finally:
-            with self._lock:
-                self.returned.append(name)
-
-    def batch_is_exist(self, keys):
-        return self._run(CHECK, keys)
-
-    def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config):
-        return self._run(PUT, keys, ptrs, sizes, config)
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return [name for name, _ in self.calls]
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +31,18 @@ def bounded_store():
 
 @pytest.fixture
 def slow_store(bounded_store):
-    """``bounded_store`` with a :class:`_Slow` client for one test (the real one after)."""
+    """``bounded_store`` with a :class:`SlowClient` client for one test (the real one after)."""
     real = bounded_store._client
-    yield bounded_store, swap_client(bounded_store, _Slow)
+    yield bounded_store, swap_client(bounded_store, SlowClient)
     swap_client(bounded_store, lambda _wrapper: real)
 
 
 @pytest.fixture
 def replaced_store():
     """A store of its own (its client is replaced), calls given up at 1 s, its client a
-    :class:`_Slow`."""
+    :class:`SlowClient`."""
     with kvmove.MooncakeStore.embedded(global_segment_size="16mb", call_timeout=1.0) as s:
-        yield s, swap_client(s, _Slow)
+        yield s, swap_client(s, SlowClient)
 
 
 def _wait(predicate, timeout: float = 10.0) -> None:

@@ -1,7 +1,13 @@
 """What a :class:`kvmove.MooncakeStore` has registered, read from its private state (the
-store keeps no public accessor for it: only the tests ask)."""
+store keeps no public accessor for it: only the tests ask), and a Mooncake client wrapper
+that slows or fails its exists checks and puts (:func:`swap_client` puts one in place)."""
 
 from __future__ import annotations
+
+import threading
+import time
+
+CHECK, PUT = "batch_is_exist", "batch_put_from_multi_buffers"
 
 
 def registered_regions(store) -> list[tuple[int, int]]:
@@ -31,3 +37,42 @@ def swap_client(store, make):
         store._budgets[id(wrapper)] = store._budgets[id(real)]
         store._client = store._state.client = wrapper
     return wrapper
+
+
+class SlowClient:
+    """A Mooncake client that forwards every call; it records which thread made each exists
+    check and put, delays them by ``delay[name]`` seconds first, and makes those named in
+    ``fail`` raise (after their delay)."""
+
+    def __init__(self, real):
+        self._real = real
+        self.delay: dict[str, float] = {}
+        self.fail: set[str] = set()
+        self.calls: list[tuple[str, int]] = []
+        self.returned: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _run(self, name: str, *args):
+        with self._lock:
+            self.calls.append((name, threading.get_ident()))
+        time.sleep(self.delay.get(name, 0.0))
+        if name in self.fail:
+            raise RuntimeError(f"{name} failed")
+        try:
+            return getattr(self._real, name)(*args)
+        finally:
+            with self._lock:
+                self.returned.append(name)
+
+    def batch_is_exist(self, keys):
+        return self._run(CHECK, keys)
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config):  # a data call
+        return self._run(PUT, keys, ptrs, sizes, config)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return [name for name, _ in self.calls]
