@@ -2,7 +2,8 @@
 # rows and the raw copies it could make (numpy take on this thread, per-layer index_select of
 # page units in bytes and in wide words), each timed back to back (30 calls, median), 8
 # layers. argv: "late" imports bench (which sets OMP_WAIT_POLICY=PASSIVE by default) after
-# torch and kvmove, as last session's alone.py did; anything else imports it first.
+# torch and kvmove, as ../cpu-intel-xeon-2c-20261205-one-hand-off/alone.py did; anything
+# else imports it first.
 # From the repository root: [OMP_WAIT_POLICY=default] PYTHONPATH=. python <this>/back_to_back.py [late]
 import sys
 if sys.argv[1:] != ["late"]:
