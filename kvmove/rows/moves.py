@@ -78,7 +78,9 @@ def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.T
     if prepared.torch_only and prepared.parts and token_pages.is_cpu:
         plan = plan_whole_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
         if plan is not None:  # every row in range: only the destinations' uniqueness is left
-            if check and token_pages.shape[0] > 1:
+            # (a run of pages, e.g. fresh staging slots, names none twice: its test is kept
+            # for the copy)
+            if check and token_pages.shape[0] > 1 and plan.whole_pages_run("dst") is None:
                 check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",
                              page_tokens=1 if gathering else prepared.page_tokens)
             return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan

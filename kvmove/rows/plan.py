@@ -42,7 +42,9 @@ def _run_start(rows: np.ndarray) -> int | None:
     first = int(rows[0])
     if int(rows[-1]) - first != rows.size - 1:
         return None
-    if rows.size > 2 and not bool((np.diff(rows) == 1).all()):
+    # From first to first + size - 1 in size steps: a run exactly where every step goes up
+    # (one comparison, no array of differences made).
+    if rows.size > 2 and not bool((rows[1:] > rows[:-1]).all()):
         return None
     return first
 
@@ -141,6 +143,12 @@ class RowPlan:
         part = self._units.get(self.page_tokens)
         return None if part is None else part.listed(side)
 
+    def whole_pages_run(self, side: str) -> int | None:
+        """The first page number of ``side`` where its whole pages are one run (then no
+        page is named twice), else None (also where there are no whole pages)."""
+        part = self._units.get(self.page_tokens)
+        return None if part is None else part.run(side)
+
     @property
     def rows(self) -> Part:
         """Every row to copy."""
@@ -231,7 +239,11 @@ def plan_whole_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         runs = {"src": kv_run, "dst": st_run} if kv_is_src else {"src": st_run, "dst": kv_run}
     else:
         kv = kv_pages.numpy()
-        pages = (kv[:, 0] // page_tokens).astype(np.int64, copy=False)  # a new array
+        # One-token pages are their own numbers: the caller's memory as it is where it is
+        # int64 (as the slots are below). New memory per call cost more than its copy:
+        # 10 µs more per 256-page gather, back to back.
+        pages = (np.ascontiguousarray(kv[:, 0], dtype=np.int64) if page_tokens == 1
+                 else (kv[:, 0] // page_tokens).astype(np.int64, copy=False))
         if page_tokens > 1 and not bool((kv == (pages * page_tokens)[:, None]
                                          + _steps(page_tokens)).all()):
             return None  # some page is not an aligned run (or holds -1)

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvmove
 from kvmove.rows.plan import (
     SMALL_PLAN_ROWS,
     Part,
@@ -19,6 +20,7 @@ from kvmove.rows.plan import (
     plan_whole_pages,
     unit_tokens,
 )
+from tests.support.caches import assert_same, make_layers, snapshot
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -56,6 +58,8 @@ def test_part_values_from_lists_runs_and_tensors():
 @pytest.mark.parametrize(("rows", "start"), [
     ([], None), ([3], 3), ([3, 4], 3), ([3, 5], None), ([0, 1, 2, 3], 0), ([1, 2, 4, 3], None),
     ([5, 6, 5, 8], None), ([-1, 0, 1], -1),
+    # from first to first + n - 1, yet one step repeats a value and another skips one
+    ([0, 1, 1, 3], None), ([4, 4, 6], None), ([0, 2, 2, 3], None),
 ])
 def test_run_start(rows, start):
     assert _run_start(np.array(rows, dtype=np.int64)) == start
@@ -180,3 +184,26 @@ def test_plan_whole_pages_refuses_device_and_empty_indices():
                             64, 4, kv_is_src=True) is None
     meta = torch.zeros(1, 4, dtype=torch.int64, device="meta")
     assert plan_whole_pages(meta, torch.zeros(1, dtype=torch.int64), 64, 4, kv_is_src=True) is None
+
+
+@pytest.mark.parametrize("pages", [SMALL_PLAN_ROWS // 4, 3 * SMALL_PLAN_ROWS])
+@pytest.mark.parametrize("page_tokens", [1, 4])
+def test_a_destination_that_only_looks_like_a_run_is_refused(pages, page_tokens):
+    """Destinations from ``first`` to ``first + n - 1`` with one value named twice (and one
+    left out) are no run: the gather and the scatter refuse them, in the list plan and the
+    numpy plan, and write nothing."""
+    kv = kvmove.KVCache({"kv": make_layers(2, 4 * pages * page_tokens, 132, torch.uint8,
+                                           seed=3)})
+    staging = kvmove.StagingBuffer(kv, num_slots=pages + 2, page_tokens=page_tokens)
+    near_run = list(range(1, pages + 1))
+    near_run[pages // 2] = near_run[pages // 2 - 1]  # ..., k, k, k + 2, ...
+    far = torch.randperm(4 * pages, generator=torch.Generator().manual_seed(0))[:pages]
+    token_pages = far[:, None] * page_tokens + torch.arange(page_tokens)
+    before_st, before_kv = snapshot(staging), snapshot(kv)
+    with pytest.raises(ValueError, match="more than once"):
+        kvmove.gather(kv, staging, token_pages, torch.tensor(near_run), backend="torch")
+    assert_same(before_st, snapshot(staging))
+    pages_near = torch.tensor(near_run)[:, None] * page_tokens + torch.arange(page_tokens)
+    with pytest.raises(ValueError, match="more than once"):
+        kvmove.scatter(staging, torch.arange(pages), kv, pages_near, backend="torch")
+    assert_same(before_kv, snapshot(kv))
