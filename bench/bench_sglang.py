@@ -13,7 +13,9 @@ host pool pages, the real SGLang 0.5.23 classes and one embedded Mooncake master
    >= 1.0x with one span per page (page_first), where neither builder loops over layers.
 2. End to end: ``batch_set_v1`` of fresh pages, then ``batch_get_v1`` of them into another
    pool region, through each backend, interleaved. Target: >= 1.0x (kvmove's time / SGLang's
-   time <= 1).
+   time <= 1). kvmove moves ``layer_first`` pages in place or staged, as its ``auto`` path
+   chooses when the pool is registered (:mod:`kvmove.integrations.sglang.staged`); the
+   table says which.
 
 Needs SGLang (run it with the SGLang venv that ``scripts/test_sglang.sh`` sets up)::
 
@@ -141,6 +143,10 @@ def bench_end_to_end(args, layout: str, holder, pages: int, page_size: int) -> d
     try:
         sglang.register_mem_pool_host(pool)
         ours.register_mem_pool_host(pool)
+        choice = ours.staged.choice if ours.staged is not None else None
+        path = ({"set": "in_place", "get": "in_place", "why": "one span per page"}
+                if choice is None else
+                {"set": choice.evict, "get": choice.prefetch, "why": choice.reason})
         for r in range(args.e2e_repeat + 1):  # the first round warms up
             order = [("sglang", sglang), ("kvmove", ours)]
             for name, backend in order if r % 2 == 0 else order[::-1]:
@@ -168,7 +174,7 @@ def bench_end_to_end(args, layout: str, holder, pages: int, page_size: int) -> d
             "bytes": nbytes, "median_s": med,
             "GBps": {k: nbytes / v / 1e9 for k, v in med.items()},
             "speedup_set": med["sglang set"] / med["kvmove set"],
-            "speedup_get": med["sglang get"] / med["kvmove get"]}
+            "speedup_get": med["sglang get"] / med["kvmove get"], "kvmove_path": path}
 
 
 def end_to_end_or_failure(args, layout: str, holder, pages: int, page_size: int) -> dict:
@@ -209,12 +215,13 @@ def report(result: dict, console: Console) -> None:
     if rows:
         table = Table(title="batch_set_v1 / batch_get_v1 over loopback TCP (medians)")
         for col in ("layout", "pages x tokens", "MiB", "SGLang set GB/s", "kvmove set GB/s",
-                    "set x", "SGLang get GB/s", "kvmove get GB/s", "get x", ">= 1.0x"):
+                    "set x", "SGLang get GB/s", "kvmove get GB/s", "get x", ">= 1.0x",
+                    "kvmove path (set/get)"):
             table.add_column(col, justify="right")
         for e in rows:
             if "failed" in e:
                 table.add_row(e["layout"], f"{e['pages']} x {e['page_size']}", "", "", "", "",
-                              "", "", "", f"failed: {e['failed']}")
+                              "", "", "", f"failed: {e['failed']}", "")
                 continue
             g = e["GBps"]
             table.add_row(e["layout"], f"{e['pages']} x {e['page_size']}",
@@ -222,8 +229,20 @@ def report(result: dict, console: Console) -> None:
                           f"{g['kvmove set']:.2f}", f"{e['speedup_set']:.2f}x",
                           f"{g['sglang get']:.2f}", f"{g['kvmove get']:.2f}",
                           f"{e['speedup_get']:.2f}x",
-                          _mark(min(e["speedup_set"], e["speedup_get"]) >= 1.0))
+                          _mark(min(e["speedup_set"], e["speedup_get"]) >= 1.0),
+                          _path(e.get("kvmove_path")))
         console.print(table)
+        for e in rows:
+            why = (e.get("kvmove_path") or {}).get("why", "")
+            if why.startswith("auto"):
+                console.print(f"kvmove's path, {e['layout']} {e['pages']} x "
+                              f"{e['page_size']}: {why}")
+
+
+def _path(path: dict | None) -> str:
+    if not path:
+        return ""
+    return path["set"] if path["set"] == path["get"] else f"{path['set']}/{path['get']}"
 
 
 def _case(text: str) -> tuple[int, int]:

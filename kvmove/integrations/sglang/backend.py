@@ -10,7 +10,9 @@ config (:mod:`kvmove.integrations.sglang.keys`, :mod:`kvmove.integrations.sglang
 a fleet that mixes the two shares objects, and answers SGLang's calls zero-copy from the
 registered host pool: descriptors are built by :class:`kvmove.HostPool` (vectorised, no
 Python loop over pages or layers), puts and gets go through :class:`kvmove.MooncakeStore`
-(a get counts only when the object is exactly the page's size).
+(a get counts only when the object is exactly the page's size). MLA ``layer_first`` pages,
+one span per layer in place, move through staging as one span per object where that is
+faster (:mod:`kvmove.integrations.sglang.staged`).
 
 SGLang is imported here only: importing :mod:`kvmove` never imports it.
 """
@@ -34,6 +36,7 @@ import kvmove
 from kvmove.descriptors import concat, describe_trusted
 from kvmove.integrations.sglang.keys import SGLangKeys
 from kvmove.integrations.sglang.pools import PoolView, indexer_view, kv_view
+from kvmove.integrations.sglang.staged import StagedPages, settings
 from kvmove.integrations.sglang.store_config import store_config_for
 from kvmove.memory.host_memory import HostMemory
 
@@ -64,11 +67,15 @@ class KVMoveStorage(HiCacheStorage):
             raise ValueError("kvmove's SGLang backend does not serve decode context "
                              "parallelism (dcp_size > 1)")
         self.storage_config = storage_config
+        # the path of layer_first MLA pages (:mod:`kvmove.integrations.sglang.staged`)
+        self._path, self._staging_bytes = settings(getattr(storage_config, "extra_config",
+                                                           None))
         self.keys = SGLangKeys(storage_config)
         self.is_mla = self.keys.is_mla
         self.store = kvmove.MooncakeStore(store_config_for(storage_config))
         self.mem_pool_host = None
         self.kv: PoolView | None = None
+        self.staged: StagedPages | None = None  # a layer_first MLA pool's staged path
         self.side: dict[str, PoolView] = {}
         self.registered_pools: dict[Any, Any] = {}
         self._bounce: HostMemory | None = None  # the legacy calls' registered copy buffer
@@ -84,6 +91,15 @@ class KVMoveStorage(HiCacheStorage):
         view = kv_view(mem_pool_host, is_mla=self.is_mla)
         for pool in view.components:
             self.store.register(pool)
+        if self.is_mla and view.components[0].layout == "layer_first":
+            try:
+                self.staged = StagedPages(mem_pool_host.kv_buffer, view.page_size, self.store,
+                                          path=self._path, staging_bytes=self._staging_bytes)
+            except Exception as e:
+                if self._path != "auto":
+                    raise
+                log.warning("kvmove SGLang backend: no staged path for the layer_first pool "
+                            "(%s: %s); its pages move in place", type(e).__name__, e)
         self.mem_pool_host, self.kv = mem_pool_host, view
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -149,6 +165,22 @@ class KVMoveStorage(HiCacheStorage):
                           _LET_GO_S, e)
         return result
 
+    def _kv_call(self, keys, host_indices, *, put: bool) -> list[kvmove.Status]:
+        """The statuses of a put or get of the KV pool's pages ``keys`` at
+        ``host_indices`` (objects component-major): staged where :attr:`staged` stages
+        it, else in place."""
+        view = self._kv_view()
+        objects = self.keys.kv_objects(keys)
+        staged = self.staged
+        if staged is not None:
+            pages = view.pages_of(host_indices)
+            if len(pages) != len(keys):
+                raise ValueError(f"{len(keys)} keys for {len(pages)} pages of host_indices")
+            if staged.stages(put=put, keys=objects[0], pages=pages):
+                return staged.put(objects[0], pages) if put else staged.get(objects[0], pages)
+        desc = self._describe(view, objects, host_indices)
+        return self._put(desc) if put else self._get(desc)
+
     @staticmethod
     def _per_page(statuses, n: int, ok=(kvmove.Status.OK,)) -> list[bool]:
         """A page succeeds when every one of its objects did (objects component-major)."""
@@ -180,8 +212,7 @@ class KVMoveStorage(HiCacheStorage):
         rows, as with SGLang's own backend."""
         if not keys:
             return []
-        desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
-        return self._per_page(self._get(desc), len(keys))
+        return self._per_page(self._kv_call(keys, host_indices, put=False), len(keys))
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         """Store pages ``keys`` from the host pool at ``host_indices``; objects that exist
@@ -189,8 +220,7 @@ class KVMoveStorage(HiCacheStorage):
         all stored."""
         if not keys:
             return []
-        desc = self._describe(self._kv_view(), self.keys.kv_objects(keys), host_indices)
-        return self._per_page(self._put(desc), len(keys), ok=_DONE)
+        return self._per_page(self._kv_call(keys, host_indices, put=True), len(keys), ok=_DONE)
 
     # -- side pools (v2) ---------------------------------------------------------------------
     def _side(self, transfer) -> tuple[str, PoolView]:
@@ -237,13 +267,18 @@ class KVMoveStorage(HiCacheStorage):
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def _batch_v2(self, transfers, *, put: bool) -> dict:
-        """One store call for the objects of every transfer."""
-        parts, spans = [], []
+        """One store call for the objects of every transfer moved in place (the KV pool's
+        pages through staging, where :attr:`staged` stages them, in a call of their own)."""
+        parts, spans, own = [], [], {}
         for transfer in transfers:
             name, view = self._side(transfer)
             keys = list(transfer.keys or [])
             if not keys:
                 spans.append((transfer.name, 0, 0))
+                continue
+            if name == str(PoolName.KV) and self.staged is not None:
+                own[transfer.name] = self._kv_call(keys, transfer.host_indices, put=put)
+                spans.append((transfer.name, len(keys), None))
                 continue
             desc = self._describe(view, self._side_objects(name, keys), transfer.host_indices)
             spans.append((transfer.name, len(keys), len(desc)))
@@ -253,9 +288,12 @@ class KVMoveStorage(HiCacheStorage):
             desc = concat(parts)
             statuses = self._put(desc) if put else self._get(desc)
         out, at = {}, 0
+        ok = _DONE if put else (kvmove.Status.OK,)
         for name, n, count in spans:
-            out[name] = self._per_page(statuses[at:at + count], n,
-                                       ok=_DONE if put else (kvmove.Status.OK,))
+            if count is None:
+                out[name] = self._per_page(own[name], n, ok=ok)
+                continue
+            out[name] = self._per_page(statuses[at:at + count], n, ok=ok)
             at += count
         return out
 
@@ -355,6 +393,8 @@ class KVMoveStorage(HiCacheStorage):
         if self._closed:
             return
         self._closed = True
+        if self.staged is not None:
+            self.staged.close()
         self.store.close()
         if self._bounce is not None:
             self._bounce.close()

@@ -1,0 +1,159 @@
+"""The staged path of SGLang's MLA ``layer_first`` host pools.
+
+SGLang's object of a ``layer_first`` MLA page is one span per layer (``page_size`` token rows
+of that layer, ``[layer][token]``). Read and written in place, a page of few tokens is many
+small spans, and Mooncake's cost is per span: 512 one-token pages of 61 layers move at 0.10
+GB/s over loopback TCP, where the same bytes as one span per page (``page_first``) move at
+about 2 GB/s (``bench/bench_sglang.py``). Staged, the page's rows are first gathered into a
+host staging slot that holds the object contiguously, in the same byte order, and the store
+reads (or writes) one span per object.
+
+A :class:`kvmove.KVMover` does it. Each SGLang page of each layer is one row of the mover's
+cache (``page_size`` tokens of ``kv_cache_dim`` elements: a page's tokens are consecutive in
+a ``layer_first`` pool), its pages are one row, and its staging is ``page_first``: slot by
+slot, every layer's row side by side, which for one-row pages is ``[layer][token]``: SGLang's
+object, byte for byte, under SGLang's own keys (``raw_keys``).
+
+Which path each direction takes is chosen as a mover's ``path`` is
+(:mod:`kvmove.path_choice`): ``"auto"`` (default) times a few scratch pages both ways
+through the store when the pool is registered (or takes what an earlier probe of the same
+geometry and transport recorded), ``"staged"`` or ``"in_place"`` as named. Set with
+``extra_config`` key ``kvmove_path`` or the environment variable ``KVMOVE_SGLANG_PATH``;
+the staging's size with ``kvmove_staging_bytes`` / ``KVMOVE_SGLANG_STAGING_BYTES`` (default
+256 MiB of host memory, registered with the store; a call of more pages than it holds runs
+in pieces).
+
+A staged put reads the pool's rows before it returns to the caller, and a staged get writes
+only the pages whose object was read whole and of the page's size: a call the store gives up
+never touches the pool afterwards (its staging slots are held until Mooncake returns).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+import kvmove
+from kvmove.path_choice import PATHS, PathChoice, check_path, probe, resolve
+from kvmove.store.config import parse_size
+
+log = logging.getLogger(__name__)
+
+PATH_KEY, PATH_VAR = "kvmove_path", "KVMOVE_SGLANG_PATH"
+STAGING_KEY, STAGING_VAR = "kvmove_staging_bytes", "KVMOVE_SGLANG_STAGING_BYTES"
+DEFAULT_STAGING_BYTES = 256 << 20
+# The auto probe's scratch pages: as many as fit this many bytes (4 to 32 pages).
+PROBE_BYTES = 64 << 20
+LAYOUT = "page_first"  # of the mover's staging: one-row pages, every layer side by side
+
+
+def settings(extra_config: Mapping | None, environ: Mapping[str, str] | None = None
+             ) -> tuple[str, int]:
+    """``(path, staging bytes)`` from SGLang's ``extra_config`` (first) or the environment;
+    a bad value raises ``ValueError`` naming where it came from."""
+    env = os.environ if environ is None else environ
+    extra = extra_config or {}
+
+    def read(key: str, var: str):
+        if extra.get(key) is not None:
+            return extra[key], f"extra_config {key!r}"
+        value = env.get(var, "").strip()
+        return (value or None), f"environment variable {var}"
+
+    path, where = read(PATH_KEY, PATH_VAR)
+    if path is None:
+        path = "auto"
+    elif path not in PATHS:
+        raise ValueError(f"{where} must be one of {PATHS}, got {path!r}")
+    size, where = read(STAGING_KEY, STAGING_VAR)
+    if size is None:
+        return path, DEFAULT_STAGING_BYTES
+    nbytes = parse_size(size, where)  # raises naming where
+    if nbytes <= 0:
+        raise ValueError(f"{where} must be a positive size, got {size!r}")
+    return path, nbytes
+
+
+def page_rows(kv_buffer: torch.Tensor, page_size: int) -> kvmove.KVCache:
+    """The cache whose row ``p`` of layer ``l`` is SGLang's page ``p`` of layer ``l`` of a
+    ``layer_first`` MLA ``kv_buffer`` (``[L, size, 1, dim]``): ``page_size`` token rows,
+    one span (views, no copy). A trailing part page (``size % page_size`` tokens) is left
+    out: SGLang never hands one out."""
+    if kv_buffer.dim() != 4 or not kv_buffer.is_contiguous():
+        raise ValueError(f"a layer_first MLA kv_buffer is a contiguous [L, size, 1, dim] "
+                         f"tensor, got shape {tuple(kv_buffer.shape)}")
+    layers, size = kv_buffer.shape[:2]
+    pages = size // page_size
+    page_bytes = page_size * kv_buffer[0, 0].numel() * kv_buffer.element_size()
+    flat = kv_buffer.view(torch.uint8).view(layers, -1)
+    return kvmove.KVCache({"kv": [flat[i, : pages * page_bytes].view(pages, page_bytes)
+                                  for i in range(layers)]})
+
+
+class StagedPages:
+    """Puts and gets of a ``layer_first`` MLA pool's pages through staging, for the
+    directions where the path choice (:attr:`choice`) is ``"staged"``; the caller moves the
+    others in place."""
+
+    def __init__(self, kv_buffer: torch.Tensor, page_size: int, store, *, path: str = "auto",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+        check_path(path)
+        self.cache = page_rows(kv_buffer, page_size)
+        self.object_bytes = self.cache.row_bytes("kv") * self.cache.num_layers("kv")
+        self.store = store
+        self.choice: PathChoice = resolve(
+            path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
+            probe=self._probe, prefetch_into_free_rows=True)
+        self.mover: kvmove.KVMover | None = None
+        if "staged" in (self.choice.evict, self.choice.prefetch):
+            slots = max(1, min(staging_bytes // self.object_bytes, self.cache.num_slots))
+            self.mover = kvmove.KVMover(self.cache, store, page_tokens=1, staging_slots=slots,
+                                        raw_keys=True, layout=LAYOUT, path="staged")
+        log.info("kvmove SGLang backend, layer_first MLA pool (%d-byte objects): puts %s, "
+                 "gets %s (%s)", self.object_bytes, self.choice.evict, self.choice.prefetch,
+                 self.choice.reason)
+
+    def _probe(self) -> dict:
+        def scratch_mover(cache, path, slots):
+            return kvmove.KVMover(cache, self.store, page_tokens=1, staging_slots=slots,
+                                  layout=LAYOUT, workers=1, path=path)
+
+        return probe(self.cache, self.store, page_tokens=1, layout=LAYOUT,
+                     make_mover=scratch_mover, pages=PROBE_BYTES // self.object_bytes)
+
+    def stages(self, *, put: bool, keys: list[str], pages) -> bool:
+        """Whether a put (``put=True``) or get of these object keys and page numbers goes
+        through staging: its direction is staged, and neither a key nor a page repeats (a
+        mover refuses those; in place they move as SGLang's own backend moves them)."""
+        if self.mover is None or (self.choice.evict if put else self.choice.prefetch) != "staged":
+            return False
+        return len(set(keys)) == len(keys) and len(set(_as_list(pages))) == len(keys)
+
+    def put(self, keys: list[str], pages) -> list[kvmove.Status]:
+        """Store page ``pages[i]`` under object key ``keys[i]``; one status per key."""
+        return self.mover.evict(keys, _page_tensor(pages)).wait()
+
+    def get(self, keys: list[str], pages) -> list[kvmove.Status]:
+        """Read object ``keys[i]`` into page ``pages[i]``; one status per key (the rows of a
+        key that is not ``OK`` are untouched)."""
+        transfer = self.mover.prefetch(keys, _page_tensor(pages))
+        statuses = transfer.wait()
+        transfer.scattered.synchronize()
+        return statuses
+
+    def close(self) -> None:
+        if self.mover is not None:
+            self.mover.close()
+
+
+def _as_list(pages) -> list[int]:
+    return pages if isinstance(pages, list) else pages.tolist()
+
+
+def _page_tensor(pages) -> torch.Tensor:
+    """Page numbers (an int64 array or a list) as the ``[n, 1]`` pages of the mover."""
+    return torch.from_numpy(np.asarray(pages, dtype=np.int64).reshape(-1, 1))
