@@ -91,6 +91,9 @@ class KVMoveStorage(HiCacheStorage):
         view = kv_view(mem_pool_host, is_mla=self.is_mla)
         for pool in view.components:
             self.store.register(pool)
+        if self.staged is not None:  # a pool registered before: its staging goes
+            old, self.staged = self.staged, None
+            old.close()
         if self.is_mla and view.components[0].layout == "layer_first":
             try:
                 self.staged = StagedPages(mem_pool_host.kv_buffer, view.page_size, self.store,
@@ -165,20 +168,27 @@ class KVMoveStorage(HiCacheStorage):
                           _LET_GO_S, e)
         return result
 
+    def _staged_pages(self, objects: list[list[str]], host_indices, *, put: bool):
+        """The page numbers of a put (``put=True``) or get of the KV pool's objects at
+        ``host_indices`` where :attr:`staged` moves it (checked as :meth:`_describe` checks
+        them), else None: it moves in place."""
+        staged = self.staged
+        if staged is None or not staged.staged(put=put):
+            return None
+        pages = self._kv_view().pages_of(host_indices)
+        if len(pages) != len(objects[0]):
+            raise ValueError(f"{len(objects[0])} keys for {len(pages)} pages of host_indices")
+        return pages if staged.takes(objects[0], pages) else None
+
     def _kv_call(self, keys, host_indices, *, put: bool) -> list[kvmove.Status]:
         """The statuses of a put or get of the KV pool's pages ``keys`` at
         ``host_indices`` (objects component-major): staged where :attr:`staged` stages
         it, else in place."""
-        view = self._kv_view()
         objects = self.keys.kv_objects(keys)
-        staged = self.staged
-        if staged is not None:
-            pages = view.pages_of(host_indices)
-            if len(pages) != len(keys):
-                raise ValueError(f"{len(keys)} keys for {len(pages)} pages of host_indices")
-            if staged.stages(put=put, keys=objects[0], pages=pages):
-                return staged.put(objects[0], pages) if put else staged.get(objects[0], pages)
-        desc = self._describe(view, objects, host_indices)
+        pages = self._staged_pages(objects, host_indices, put=put)
+        if pages is not None:
+            return self.staged.move(objects[0], pages, put=put)
+        desc = self._describe(self._kv_view(), objects, host_indices)
         return self._put(desc) if put else self._get(desc)
 
     @staticmethod
@@ -268,21 +278,26 @@ class KVMoveStorage(HiCacheStorage):
 
     def _batch_v2(self, transfers, *, put: bool) -> dict:
         """One store call for the objects of every transfer moved in place (the KV pool's
-        pages through staging, where :attr:`staged` stages them, in a call of their own)."""
-        parts, spans, own = [], [], {}
+        pages through staging, where :attr:`staged` stages them, in a call of their own).
+        Every transfer is checked before any moves."""
+        parts, spans, staged = [], [], {}
         for transfer in transfers:
             name, view = self._side(transfer)
             keys = list(transfer.keys or [])
             if not keys:
                 spans.append((transfer.name, 0, 0))
                 continue
-            if name == str(PoolName.KV) and self.staged is not None:
-                own[transfer.name] = self._kv_call(keys, transfer.host_indices, put=put)
-                spans.append((transfer.name, len(keys), None))
-                continue
-            desc = self._describe(view, self._side_objects(name, keys), transfer.host_indices)
+            objects = self._side_objects(name, keys)
+            if name == str(PoolName.KV):
+                pages = self._staged_pages(objects, transfer.host_indices, put=put)
+                if pages is not None:
+                    staged[transfer.name] = (objects[0], pages)
+                    spans.append((transfer.name, len(keys), None))
+                    continue
+            desc = self._describe(view, objects, transfer.host_indices)
             spans.append((transfer.name, len(keys), len(desc)))
             parts.append(desc)
+        own = {name: self.staged.move(*args, put=put) for name, args in staged.items()}
         statuses = []
         if parts:
             desc = concat(parts)
@@ -393,11 +408,13 @@ class KVMoveStorage(HiCacheStorage):
         if self._closed:
             return
         self._closed = True
-        if self.staged is not None:
-            self.staged.close()
-        self.store.close()
-        if self._bounce is not None:
-            self._bounce.close()
+        try:
+            if self.staged is not None:
+                self.staged.close()
+        finally:
+            self.store.close()
+            if self._bounce is not None:
+                self._bounce.close()
 
     def __repr__(self) -> str:
         pools = [self.kv.kind] if self.kv else []

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import kvmove
+from kvmove.errors import StagingFull
 from kvmove.path_choice import PATHS, PathChoice, check_path, probe, resolve
 from kvmove.store.config import parse_size
 
@@ -105,45 +106,64 @@ class StagedPages:
         self.cache = page_rows(kv_buffer, page_size)
         self.object_bytes = self.cache.row_bytes("kv") * self.cache.num_layers("kv")
         self.store = store
-        self.choice: PathChoice = resolve(
-            path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
-            probe=self._probe, prefetch_into_free_rows=True)
+        self._probe_error: Exception | None = None
+        choice = resolve(path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
+                         probe=self._probe, prefetch_into_free_rows=True)
+        if self._probe_error is not None:  # (resolve stages then; nothing was recorded)
+            e = self._probe_error
+            choice = PathChoice.both("in_place", f"auto: the probe failed "
+                                                 f"({type(e).__name__}: {e}); in place, as "
+                                                 f"SGLang's own backend moves them")
+        self.choice: PathChoice = choice
         self.mover: kvmove.KVMover | None = None
-        if "staged" in (self.choice.evict, self.choice.prefetch):
+        if "staged" in (choice.evict, choice.prefetch):
             slots = max(1, min(staging_bytes // self.object_bytes, self.cache.num_slots))
             self.mover = kvmove.KVMover(self.cache, store, page_tokens=1, staging_slots=slots,
                                         raw_keys=True, layout=LAYOUT, path="staged")
         log.info("kvmove SGLang backend, layer_first MLA pool (%d-byte objects): puts %s, "
-                 "gets %s (%s)", self.object_bytes, self.choice.evict, self.choice.prefetch,
-                 self.choice.reason)
+                 "gets %s (%s)", self.object_bytes, choice.evict, choice.prefetch,
+                 choice.reason)
 
     def _probe(self) -> dict:
         def scratch_mover(cache, path, slots):
             return kvmove.KVMover(cache, self.store, page_tokens=1, staging_slots=slots,
                                   layout=LAYOUT, workers=1, path=path)
 
-        return probe(self.cache, self.store, page_tokens=1, layout=LAYOUT,
-                     make_mover=scratch_mover, pages=PROBE_BYTES // self.object_bytes)
+        try:
+            return probe(self.cache, self.store, page_tokens=1, layout=LAYOUT,
+                         make_mover=scratch_mover, pages=PROBE_BYTES // self.object_bytes)
+        except Exception as e:
+            self._probe_error = e
+            raise
 
-    def stages(self, *, put: bool, keys: list[str], pages) -> bool:
-        """Whether a put (``put=True``) or get of these object keys and page numbers goes
-        through staging: its direction is staged, and neither a key nor a page repeats (a
-        mover refuses those; in place they move as SGLang's own backend moves them)."""
-        if self.mover is None or (self.choice.evict if put else self.choice.prefetch) != "staged":
-            return False
+    def staged(self, *, put: bool) -> bool:
+        """Whether puts (``put=True``) or gets go through staging."""
+        return self.mover is not None and (
+            self.choice.evict if put else self.choice.prefetch) == "staged"
+
+    @staticmethod
+    def takes(keys: list[str], pages) -> bool:
+        """Whether a call of these object keys and page numbers can go through staging:
+        neither a key nor a page repeats (a mover refuses those; in place they move as
+        SGLang's own backend moves them)."""
         return len(set(keys)) == len(keys) and len(set(_as_list(pages))) == len(keys)
 
-    def put(self, keys: list[str], pages) -> list[kvmove.Status]:
-        """Store page ``pages[i]`` under object key ``keys[i]``; one status per key."""
-        return self.mover.evict(keys, _page_tensor(pages)).wait()
-
-    def get(self, keys: list[str], pages) -> list[kvmove.Status]:
-        """Read object ``keys[i]`` into page ``pages[i]``; one status per key (the rows of a
-        key that is not ``OK`` are untouched)."""
-        transfer = self.mover.prefetch(keys, _page_tensor(pages))
-        statuses = transfer.wait()
-        transfer.scattered.synchronize()
-        return statuses
+    def move(self, keys: list[str], pages, *, put: bool) -> list[kvmove.Status]:
+        """Store page ``pages[i]`` under object key ``keys[i]`` (``put=True``), or read the
+        object into it; one status per key. A get leaves the rows of a key that is not
+        ``OK`` untouched. Staging that stays full for the mover's ``alloc_timeout`` (slots
+        held by store calls given up) fails the call's keys, as a failed store call would."""
+        page_tensor = _page_tensor(pages)
+        if not put:
+            transfer = self.mover.prefetch(keys, page_tensor)
+            statuses = transfer.wait()
+            transfer.scattered.synchronize()
+            return statuses
+        try:
+            return self.mover.evict(keys, page_tensor).wait()
+        except StagingFull as e:
+            log.warning("kvmove SGLang backend: %s; %d pages not stored", e, len(keys))
+            return [kvmove.Status.FAILED] * len(keys)
 
     def close(self) -> None:
         if self.mover is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ def test_a_stalled_node_answers_once_mooncake_lets_go(cluster, model, path, monk
     stalled = cluster[1]
     resume = threading.Timer(5.0, lambda: stalled.proc.send_signal(signal.SIGCONT))
     try:
+        before = {d: page_data(dst, d) for d in TARGET}
         stalled.kill(signal.SIGSTOP)
         resume.start()  # Mooncake's call returns once the node runs again
         got = reader.batch_get_v1(keys, indices(TARGET))
@@ -136,6 +138,17 @@ def test_a_stalled_node_answers_once_mooncake_lets_go(cluster, model, path, monk
         for ok, s, d in zip(got, PAGES, TARGET, strict=True):
             if ok:
                 assert page_data(dst, d) == page_data(src, s)
+            elif path == "staged":  # what a late transfer writes lands in staging only
+                assert page_data(dst, d) == before[d]
+        if path == "staged":  # and it does not land later either
+            resume.join()
+            deadline = time.monotonic() + 30
+            while regions_in_use(reader.store) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the get given up returns (its staging is let go)
+            assert not regions_in_use(reader.store)
+            for ok, d in zip(got, TARGET, strict=True):
+                if not ok:
+                    assert page_data(dst, d) == before[d]
         # Usable once the node runs again (a staged get answers at its bound, before then;
         # in place the answer came after it): the same pages read back exact.
         resume.join()

@@ -11,11 +11,13 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
+import kvmove
 from kvmove.integrations.sglang.staged import (
     DEFAULT_STAGING_BYTES,
     page_rows,
     settings,
 )
+from kvmove.path_choice import forget_recorded
 from tests.integrations.sglang.conftest import (
     LAYERS,
     MLA_DIM,
@@ -39,17 +41,18 @@ def config(model, path=None, **extra):
     return storage_config(mla=True, page_first=False, model=model, extra=extra)
 
 
-@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("page", [1, 4, 64])
 @pytest.mark.parametrize("direction", ["sglang->kvmove", "kvmove->sglang", "kvmove->kvmove"])
 def test_staged_objects_are_sglangs_rows_exact(page, direction, master, model):
+    tokens = max(TOKENS, 12 * page)
     make = {"sglang": lambda: sglang_backend(config(model)),
             "kvmove": lambda: kvmove_backend(config(model, "staged"))}
     writer_kind, reader_kind = direction.split("->")
     writer, reader = make[writer_kind](), make[reader_kind]()
     try:
-        src = mla_pool("layer_first", page_size=page, tokens=TOKENS, seed=1)
-        dst = mla_pool("layer_first", page_size=page, tokens=TOKENS, seed=2)
-        before = {p: page_data(dst, p) for p in range(TOKENS // page)}
+        src = mla_pool("layer_first", page_size=page, tokens=tokens, seed=1)
+        dst = mla_pool("layer_first", page_size=page, tokens=tokens, seed=2)
+        before = {p: page_data(dst, p) for p in range(tokens // page)}
         writer.register_mem_pool_host(src)
         reader.register_mem_pool_host(dst)
         for backend in (writer, reader):
@@ -63,7 +66,7 @@ def test_staged_objects_are_sglangs_rows_exact(page, direction, master, model):
         assert reader.batch_get_v1(keys, indices(get_pages, page)) == [True] * 4
         for d, s in zip(get_pages, put_pages, strict=True):
             assert page_data(dst, d) == page_data(src, s)
-        for p in set(range(TOKENS // page)) - set(get_pages):
+        for p in set(range(tokens // page)) - set(get_pages):
             assert page_data(dst, p) == before[p]
     finally:
         writer.close()
@@ -143,6 +146,28 @@ def test_v2_moves_the_kv_pages_staged(master, model):
         reader.close()
 
 
+@pytest.mark.parametrize("put", [True, False])
+def test_a_v2_call_checks_every_transfer_before_anything_moves(put, master, model):
+    backend = kvmove_backend(config(model, "staged"))
+    try:
+        pool = mla_pool("layer_first", page_size=4, tokens=TOKENS, seed=1)
+        backend.register_mem_pool_host(pool)
+        if not put:
+            assert backend.batch_set_v1(["q1"], indices([1], 4)) == [True]
+        before = page_data(pool, 6)
+        kv = PoolTransfer(name=PoolName.KV, keys=["q1"], host_indices=indices([1 if put else 6],
+                                                                              4))
+        unknown = PoolTransfer(name=PoolName.INDEXER, keys=["q1"], host_indices=indices([2], 4))
+        call = backend.batch_set_v2 if put else backend.batch_get_v2
+        with pytest.raises(ValueError, match="not registered"):
+            call([kv, unknown])
+        if put:
+            assert backend.batch_exists(["q1"]) == 0  # nothing was stored
+        assert page_data(pool, 6) == before  # nothing was read into the pool
+    finally:
+        backend.close()
+
+
 def test_a_call_larger_than_the_staging_runs_in_pieces(master, model):
     object_bytes = LAYERS * 1 * MLA_DIM * 2
     backend = kvmove_backend(config(model, "staged", kvmove_staging_bytes=3 * object_bytes))
@@ -210,7 +235,64 @@ def test_sglangs_io_threads_may_set_and_get_at_once(master, model):
         backend.close()
 
 
+def test_staging_that_stays_full_fails_the_pages_never_raises(master, model):
+    backend = kvmove_backend(config(model, "staged", kvmove_staging_bytes=1))
+    try:
+        pool = mla_pool("layer_first", page_size=1, tokens=TOKENS, seed=9)
+        backend.register_mem_pool_host(pool)
+        mover = backend.staged.mover
+        mover.alloc_timeout = 0.2
+        held = mover.staging.alloc(mover.staging.num_slots)  # as store calls given up hold them
+        try:
+            assert backend.batch_set_v1(["f1", "f2"], indices([1, 2], 1)) == [False, False]
+            assert backend.batch_get_v1(["f1"], indices([3], 1)) == [False]
+        finally:
+            mover.staging.free(held)
+        assert backend.batch_set_v1(["f1"], indices([1], 1)) == [True]
+    finally:
+        backend.close()
+
+
+def test_registering_again_lets_the_first_staging_go(master, model):
+    backend = kvmove_backend(config(model, "staged"))
+    try:
+        backend.register_mem_pool_host(mla_pool("layer_first", page_size=1, tokens=TOKENS,
+                                                seed=1))
+        first = backend.staged
+        pool = mla_pool("layer_first", page_size=1, tokens=TOKENS, seed=2)
+        backend.register_mem_pool_host(pool)
+        with pytest.raises(kvmove.KVMoveError, match="closed"):
+            first.mover.evict(["late"], torch.tensor([[0]]))
+        assert backend.batch_set_v1(["n"], indices([5], 1)) == [True]
+        assert backend.batch_get_v1(["n"], indices([6], 1)) == [True]
+        assert page_data(pool, 6) == page_data(pool, 5)  # the new pool's pages
+    finally:
+        backend.close()
+
+
+def test_a_probe_that_fails_leaves_the_pages_in_place(master, model, monkeypatch):
+    import kvmove.integrations.sglang.staged as staged
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no room for scratch pages")
+
+    forget_recorded()
+    monkeypatch.setattr(staged, "probe", failing)
+    backend = kvmove_backend(config(model))
+    try:
+        backend.register_mem_pool_host(mla_pool("layer_first", page_size=1, tokens=TOKENS,
+                                                seed=1))
+        choice = backend.staged.choice
+        assert (choice.evict, choice.prefetch) == ("in_place", "in_place")
+        assert "probe failed" in choice.reason and backend.staged.mover is None
+        assert backend.batch_set_v1(["i"], indices([1], 1)) == [True]
+    finally:
+        backend.close()
+        forget_recorded()
+
+
 def test_auto_says_what_it_chose_and_keeps_it(master, model):
+    forget_recorded()  # (no choice of an earlier test)
     first = kvmove_backend(config(model))
     second = kvmove_backend(config(model))
     try:
@@ -221,7 +303,7 @@ def test_auto_says_what_it_chose_and_keeps_it(master, model):
         a, b = first.staged.choice, second.staged.choice
         assert a.reason.startswith("auto")
         assert (b.evict, b.prefetch) == (a.evict, a.prefetch)
-        assert b.recorded  # the same geometry and store: no second probe
+        assert not a.recorded and b.recorded  # the same geometry and store: no second probe
         assert (first.staged.mover is None) == ("staged" not in (a.evict, a.prefetch))
         assert first.batch_set_v1(["k"], indices([3], 1)) == [True]
         assert second.batch_get_v1(["k"], indices([4], 1)) == [True]
@@ -239,6 +321,15 @@ def test_page_first_pools_have_no_staged_path(master, model):
         assert backend.staged is None
     finally:
         backend.close()
+
+
+def test_page_rows_leave_out_a_trailing_part_page():
+    buffer = torch.arange(LAYERS * 70 * MLA_DIM, dtype=torch.int32).to(torch.bfloat16) \
+        .view(LAYERS, 70, 1, MLA_DIM)
+    cache = page_rows(buffer, 4)
+    assert cache.num_slots == 17
+    assert cache.layer("kv", 2)[16].numpy().tobytes() == \
+        buffer[2, 64:68].contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_page_rows_are_the_pools_pages():
