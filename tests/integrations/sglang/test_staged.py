@@ -14,10 +14,12 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 import kvmove
 from kvmove.integrations.sglang.staged import (
     DEFAULT_STAGING_BYTES,
+    STAGED_MIN_GAIN,
     page_rows,
+    prefer_in_place,
     settings,
 )
-from kvmove.path_choice import forget_recorded
+from kvmove.path_choice import PathChoice, decide, forget_recorded
 from tests.integrations.sglang.conftest import (
     LAYERS,
     MLA_DIM,
@@ -363,3 +365,21 @@ def test_settings(extra, env, expected):
 def test_bad_settings_name_where_they_came_from(extra, env, named):
     with pytest.raises(ValueError, match=named):
         settings(extra, env)
+
+
+@pytest.mark.parametrize(("staged_ms", "in_place_ms", "expected"), [
+    ((5.8, 1.9), (21.9, 19.2), ("staged", "staged")),  # one-token pages, measured
+    ((31.3, 26.2), (28.7, 27.0), ("in_place", "in_place")),  # 16-token pages: a near tie
+    ((1.0, 0.81), (1.0, 1.0), ("in_place", "in_place")),  # 19 % faster: not enough
+    ((0.79, 2.0), (1.0, 1.0), ("staged", "in_place")),
+])
+def test_auto_stages_a_direction_only_where_clearly_faster(staged_ms, in_place_ms, expected):
+    assert STAGED_MIN_GAIN == 0.2
+    figures = {"staged": dict(zip(("evict", "prefetch"), staged_ms, strict=True)),
+               "in_place": dict(zip(("evict", "prefetch"), in_place_ms, strict=True)),
+               "pages": 32, "rounds": 3}
+    choice = prefer_in_place(decide(figures))
+    assert (choice.evict, choice.prefetch) == expected
+    assert choice.figures == figures
+    unsafe = PathChoice("staged", "staged", "auto: unsafe", {"unsafe": "a get wrote"})
+    assert prefer_in_place(unsafe) is unsafe
