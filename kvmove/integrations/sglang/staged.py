@@ -112,6 +112,7 @@ class StagedPages:
         self.object_bytes = self.cache.row_bytes("kv") * self.cache.num_layers("kv")
         self.store = store
         self._probe_error: Exception | None = None
+        self.choice: PathChoice
         choice = resolve(path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
                          probe=self._probe, prefetch_into_free_rows=True)
         if self._probe_error is not None:  # (resolve stages then; nothing was recorded)
@@ -119,7 +120,7 @@ class StagedPages:
             choice = PathChoice.both("in_place", f"auto: the probe failed "
                                                  f"({type(e).__name__}: {e}); in place, as "
                                                  f"SGLang's own backend moves them")
-        self.choice: PathChoice = prefer_in_place(choice)
+        choice = self.choice = prefer_in_place(choice)
         self.mover: kvmove.KVMover | None = None
         if "staged" in (choice.evict, choice.prefetch):
             slots = max(1, min(staging_bytes // self.object_bytes, self.cache.num_slots))

@@ -293,6 +293,27 @@ def test_a_probe_that_fails_leaves_the_pages_in_place(master, model, monkeypatch
         forget_recorded()
 
 
+def test_a_near_tie_stays_in_place_with_no_staging(master, model, monkeypatch):
+    import kvmove.integrations.sglang.staged as staged
+
+    def near_tie(*args, **kwargs):  # what a probe of 16-token pages measured
+        return {"staged": {"evict": 31.3, "prefetch": 26.2},
+                "in_place": {"evict": 28.7, "prefetch": 27.0}, "pages": 32, "rounds": 3}
+
+    forget_recorded()
+    monkeypatch.setattr(staged, "probe", near_tie)
+    backend = kvmove_backend(config(model))
+    try:
+        backend.register_mem_pool_host(mla_pool("layer_first", page_size=1, tokens=TOKENS,
+                                                seed=1))
+        choice = backend.staged.choice
+        assert (choice.evict, choice.prefetch) == ("in_place", "in_place")
+        assert backend.staged.mover is None  # no staging memory for a path not taken
+    finally:
+        backend.close()
+        forget_recorded()
+
+
 def test_auto_says_what_it_chose_and_keeps_it(master, model):
     forget_recorded()  # (no choice of an earlier test)
     first = kvmove_backend(config(model))
