@@ -124,15 +124,23 @@ def record_key(kv: KVCache, store, page_tokens: int, layout: str) -> tuple:
 
 
 def resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str, checksum: bool,
-            probe: Callable[[], dict], prefetch_into_free_rows: bool = False) -> PathChoice:
+            probe: Callable[[], dict], prefetch_into_free_rows: bool = False,
+            probe_failed: str = "staged") -> PathChoice:
     """The :class:`PathChoice` for ``path``: ``"staged"`` as asked; ``"in_place"`` as asked
     or ``ValueError`` saying why it cannot be; ``"auto"`` recorded, or measured with
-    ``probe()`` (``{"staged": ms, "in_place": ms}``; it may raise: then staged). Under
-    ``auto`` prefetches go in place only with ``prefetch_into_free_rows`` (see
-    :func:`keep_failed_rows`)."""
+    ``probe()`` (``{"staged": ms, "in_place": ms}``; it may raise: then ``probe_failed``,
+    not recorded). Under ``auto`` prefetches go in place only with
+    ``prefetch_into_free_rows`` (see :func:`keep_failed_rows`)."""
     return keep_failed_rows(_resolve(path, kv, store, page_tokens=page_tokens, layout=layout,
-                                     checksum=checksum, probe=probe),
+                                     checksum=checksum, probe=probe,
+                                     probe_failed=_fallback(probe_failed)),
                             asked=path, free_rows=prefetch_into_free_rows)
+
+
+def _fallback(path: str) -> str:
+    if path not in ("staged", "in_place"):
+        raise ValueError(f"probe_failed must be 'staged' or 'in_place', got {path!r}")
+    return path
 
 
 def keep_failed_rows(choice: PathChoice, *, asked: str, free_rows: bool) -> PathChoice:
@@ -150,7 +158,7 @@ def keep_failed_rows(choice: PathChoice, *, asked: str, free_rows: bool) -> Path
 
 
 def _resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str,
-             checksum: bool, probe: Callable[[], dict]) -> PathChoice:
+             checksum: bool, probe: Callable[[], dict], probe_failed: str) -> PathChoice:
     check_path(path)
     refusal = None if path == "staged" else in_place_refusal(kv, store, checksum=checksum)
     if path == "staged":
@@ -173,9 +181,10 @@ def _resolve(path: str, kv: KVCache, store, *, page_tokens: int, layout: str,
                               recorded.figures, recorded=True)
         try:
             figures = probe()
-        except Exception as e:  # a store that fails under the probe: the safe path
-            log.warning("path probe failed (%s: %s); moving staged", type(e).__name__, e)
-            return PathChoice.both("staged",
+        except Exception as e:  # a store that fails under the probe: the caller's safe path
+            log.warning("path probe failed (%s: %s); moving %s", type(e).__name__, e,
+                        probe_failed.replace("_", " "))
+            return PathChoice.both(probe_failed,
                                    f"auto: the probe failed ({type(e).__name__}: {e})")
         choice = decide(figures)
         _RECORDED[key] = choice

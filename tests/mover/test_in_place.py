@@ -384,6 +384,25 @@ def test_a_probe_that_fails_leaves_auto_staged(store, monkeypatch):
     path_choice.forget_recorded()
 
 
+def test_a_caller_names_the_path_a_failed_probe_leaves(store):
+    path_choice.forget_recorded()
+    kv = kvmove.KVCache(GEOMETRIES["mla"](16))
+
+    def broken():
+        raise RuntimeError("no room for scratch pages")
+
+    for fallback in ("in_place", "staged"):
+        choice = path_choice.resolve("auto", kv, store, page_tokens=1, layout="layer_first",
+                                     checksum=False, probe=broken, prefetch_into_free_rows=True,
+                                     probe_failed=fallback)
+        assert (choice.evict, choice.prefetch) == (fallback, fallback)
+        assert "probe failed" in choice.reason and not choice.recorded
+    with pytest.raises(ValueError, match="probe_failed"):
+        path_choice.resolve("auto", kv, store, page_tokens=1, layout="layer_first",
+                            checksum=False, probe=broken, probe_failed="auto")
+    path_choice.forget_recorded()
+
+
 def test_auto_keeps_prefetches_staged_unless_their_rows_are_free():
     # A failed in-place get can leave part of its object in the key's rows: by default a
     # failed prefetch leaves the rows untouched, so auto keeps prefetches staged.

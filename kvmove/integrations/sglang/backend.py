@@ -169,25 +169,26 @@ class KVMoveStorage(HiCacheStorage):
         return result
 
     def _staged_pages(self, objects: list[list[str]], host_indices, *, put: bool):
-        """The page numbers of a put (``put=True``) or get of the KV pool's objects at
-        ``host_indices`` where :attr:`staged` moves it (checked as :meth:`_describe` checks
-        them), else None: it moves in place."""
-        staged = self.staged
+        """``(staged path, page numbers)`` of a put (``put=True``) or get of the KV pool's
+        objects at ``host_indices`` where :attr:`staged` moves it (checked as
+        :meth:`_describe` checks them), else None: it moves in place."""
+        staged = self.staged  # once: a registration may replace it meanwhile
         if staged is None or not staged.staged(put=put):
             return None
         pages = self._kv_view().pages_of(host_indices)
         if len(pages) != len(objects[0]):
             raise ValueError(f"{len(objects[0])} keys for {len(pages)} pages of host_indices")
-        return pages if staged.takes(objects[0], pages) else None
+        return (staged, pages) if staged.takes(objects[0], pages) else None
 
     def _kv_call(self, keys, host_indices, *, put: bool) -> list[kvmove.Status]:
         """The statuses of a put or get of the KV pool's pages ``keys`` at
         ``host_indices`` (objects component-major): staged where :attr:`staged` stages
         it, else in place."""
         objects = self.keys.kv_objects(keys)
-        pages = self._staged_pages(objects, host_indices, put=put)
-        if pages is not None:
-            return self.staged.move(objects[0], pages, put=put)
+        staged = self._staged_pages(objects, host_indices, put=put)
+        if staged is not None:
+            path, pages = staged
+            return path.move(objects[0], pages, put=put)
         desc = self._describe(self._kv_view(), objects, host_indices)
         return self._put(desc) if put else self._get(desc)
 
@@ -280,7 +281,7 @@ class KVMoveStorage(HiCacheStorage):
         """One store call for the objects of every transfer moved in place (the KV pool's
         pages through staging, where :attr:`staged` stages them, in a call of their own).
         Every transfer is checked before any moves."""
-        parts, spans, staged = [], [], {}
+        parts, spans, staged = [], [], []
         for transfer in transfers:
             name, view = self._side(transfer)
             keys = list(transfer.keys or [])
@@ -289,15 +290,15 @@ class KVMoveStorage(HiCacheStorage):
                 continue
             objects = self._side_objects(name, keys)
             if name == str(PoolName.KV):
-                pages = self._staged_pages(objects, transfer.host_indices, put=put)
-                if pages is not None:
-                    staged[transfer.name] = (objects[0], pages)
-                    spans.append((transfer.name, len(keys), None))
+                found = self._staged_pages(objects, transfer.host_indices, put=put)
+                if found is not None:
+                    spans.append((transfer.name, len(keys), -1 - len(staged)))
+                    staged.append((found[0], objects[0], found[1]))
                     continue
             desc = self._describe(view, objects, transfer.host_indices)
             spans.append((transfer.name, len(keys), len(desc)))
             parts.append(desc)
-        own = {name: self.staged.move(*args, put=put) for name, args in staged.items()}
+        own = [path.move(objects, pages, put=put) for path, objects, pages in staged]
         statuses = []
         if parts:
             desc = concat(parts)
@@ -305,8 +306,8 @@ class KVMoveStorage(HiCacheStorage):
         out, at = {}, 0
         ok = _DONE if put else (kvmove.Status.OK,)
         for name, n, count in spans:
-            if count is None:
-                out[name] = self._per_page(own[name], n, ok=ok)
+            if count < 0:  # the staged call numbered -1 - count
+                out[name] = self._per_page(own[-1 - count], n, ok=ok)
                 continue
             out[name] = self._per_page(statuses[at:at + count], n, ok=ok)
             at += count

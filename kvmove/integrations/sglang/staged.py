@@ -111,15 +111,11 @@ class StagedPages:
         self.cache = page_rows(kv_buffer, page_size)
         self.object_bytes = self.cache.row_bytes("kv") * self.cache.num_layers("kv")
         self.store = store
-        self._probe_error: Exception | None = None
         self.choice: PathChoice
+        # (a probe that fails leaves the pages in place, as SGLang's own backend moves them)
         choice = resolve(path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
-                         probe=self._probe, prefetch_into_free_rows=True)
-        if self._probe_error is not None:  # (resolve stages then; nothing was recorded)
-            e = self._probe_error
-            choice = PathChoice.both("in_place", f"auto: the probe failed "
-                                                 f"({type(e).__name__}: {e}); in place, as "
-                                                 f"SGLang's own backend moves them")
+                         probe=self._probe, prefetch_into_free_rows=True,
+                         probe_failed="in_place")
         choice = self.choice = prefer_in_place(choice)
         self.mover: kvmove.KVMover | None = None
         if "staged" in (choice.evict, choice.prefetch):
@@ -135,12 +131,8 @@ class StagedPages:
             return kvmove.KVMover(cache, self.store, page_tokens=1, staging_slots=slots,
                                   layout=LAYOUT, workers=1, path=path)
 
-        try:
-            return probe(self.cache, self.store, page_tokens=1, layout=LAYOUT,
-                         make_mover=scratch_mover, pages=PROBE_BYTES // self.object_bytes)
-        except Exception as e:
-            self._probe_error = e
-            raise
+        return probe(self.cache, self.store, page_tokens=1, layout=LAYOUT,
+                     make_mover=scratch_mover, pages=PROBE_BYTES // self.object_bytes)
 
     def staged(self, *, put: bool) -> bool:
         """Whether puts (``put=True``) or gets go through staging."""

@@ -33,6 +33,13 @@ from tests.integrations.sglang.conftest import (
 TOKENS = 64
 
 
+@pytest.fixture(autouse=True)
+def _no_path_settings_from_the_environment(monkeypatch):
+    """The settings these tests name come from extra_config alone."""
+    monkeypatch.delenv("KVMOVE_SGLANG_PATH", raising=False)
+    monkeypatch.delenv("KVMOVE_SGLANG_STAGING_BYTES", raising=False)
+
+
 def indices(pages, page):
     return torch.tensor([p * page + t for p in pages for t in range(page)], dtype=torch.int64)
 
@@ -170,6 +177,22 @@ def test_a_v2_call_checks_every_transfer_before_anything_moves(put, master, mode
         backend.close()
 
 
+def test_two_kv_transfers_in_one_v2_call_both_move(master, model):
+    backend = kvmove_backend(config(model, "staged"))
+    try:
+        pool = mla_pool("layer_first", page_size=4, tokens=TOKENS, seed=1)
+        backend.register_mem_pool_host(pool)
+        first = PoolTransfer(name=PoolName.KV, keys=["t1", "t2"], host_indices=indices([1, 2], 4))
+        second = PoolTransfer(name=PoolName.KV, keys=["t3"], host_indices=indices([3], 4))
+        backend.batch_set_v2([first, second])
+        assert backend.batch_exists(["t1", "t2", "t3"]) == 3
+        assert backend.batch_get_v1(["t1", "t3"], indices([8, 9], 4)) == [True, True]
+        assert page_data(pool, 8) == page_data(pool, 1)
+        assert page_data(pool, 9) == page_data(pool, 3)
+    finally:
+        backend.close()
+
+
 def test_a_call_larger_than_the_staging_runs_in_pieces(master, model):
     object_bytes = LAYERS * 1 * MLA_DIM * 2
     backend = kvmove_backend(config(model, "staged", kvmove_staging_bytes=3 * object_bytes))
@@ -302,15 +325,19 @@ def test_a_near_tie_stays_in_place_with_no_staging(master, model, monkeypatch):
 
     forget_recorded()
     monkeypatch.setattr(staged, "probe", near_tie)
-    backend = kvmove_backend(config(model))
+    backends = [kvmove_backend(config(model)) for _ in range(2)]
     try:
-        backend.register_mem_pool_host(mla_pool("layer_first", page_size=1, tokens=TOKENS,
-                                                seed=1))
-        choice = backend.staged.choice
-        assert (choice.evict, choice.prefetch) == ("in_place", "in_place")
-        assert backend.staged.mover is None  # no staging memory for a path not taken
+        for seed, backend in enumerate(backends):
+            backend.register_mem_pool_host(mla_pool("layer_first", page_size=1, tokens=TOKENS,
+                                                    seed=seed))
+            choice = backend.staged.choice
+            assert (choice.evict, choice.prefetch) == ("in_place", "in_place")
+            assert backend.staged.mover is None  # no staging memory for a path not taken
+            assert "staged only where 20% faster" in choice.reason
+        assert backends[1].staged.choice.recorded  # the raw figures, the same rule again
     finally:
-        backend.close()
+        for backend in backends:
+            backend.close()
         forget_recorded()
 
 
