@@ -128,14 +128,21 @@ class KVMoveStorage(HiCacheStorage):
                                "before any transfer")
         return self.kv
 
-    def _describe(self, view: PoolView, object_keys: list[list[str]], host_indices):
-        """Descriptors of every object of the pages ``host_indices``: component by
-        component (``object_keys[c]`` names component ``c``'s objects, made by
-        :class:`SGLangKeys`: non-empty strings). The pages are checked here, once."""
+    @staticmethod
+    def _pages(view: PoolView, object_keys: list[list[str]], host_indices):
+        """The page numbers of ``host_indices``, checked: one page per object key of a
+        component."""
         pages = view.pages_of(host_indices)
         if len(pages) != len(object_keys[0]):
             raise ValueError(f"{len(object_keys[0])} keys for {len(pages)} pages of "
                              f"host_indices")
+        return pages
+
+    def _describe(self, view: PoolView, object_keys: list[list[str]], host_indices):
+        """Descriptors of every object of the pages ``host_indices``: component by
+        component (``object_keys[c]`` names component ``c``'s objects, made by
+        :class:`SGLangKeys`: non-empty strings). The pages are checked here, once."""
+        pages = self._pages(view, object_keys, host_indices)
         if len(view.components) == 1:
             pool = view.components[0]
             return describe_trusted(pool, pages, object_keys[0], pool.page_tokens)
@@ -175,9 +182,7 @@ class KVMoveStorage(HiCacheStorage):
         staged = self.staged  # once: a registration may replace it meanwhile
         if staged is None or not staged.staged(put=put):
             return None
-        pages = self._kv_view().pages_of(host_indices)
-        if len(pages) != len(objects[0]):
-            raise ValueError(f"{len(objects[0])} keys for {len(pages)} pages of host_indices")
+        pages = self._pages(self._kv_view(), objects, host_indices)
         return (staged, pages) if staged.takes(objects[0], pages) else None
 
     def _kv_call(self, keys, host_indices, *, put: bool) -> list[kvmove.Status]:
