@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -166,6 +167,8 @@ class KVMover:
                                       zero_ok=True)
         self.kv = kv
         self.store = store
+        self._put_takes_detect_exists = _takes_keyword(getattr(store, "put", None),
+                                                       "detect_exists")
         if not isinstance(prefetch_into_free_rows, bool):
             raise TypeError(f"prefetch_into_free_rows must be a bool, got "
                             f"{prefetch_into_free_rows!r}")
@@ -292,12 +295,24 @@ class KVMover:
         self._evict_stream.synchronize()
 
     # -- public ---------------------------------------------------------------------------
-    def evict(self, keys, token_pages, *, valid_tokens=None) -> Transfer:
+    def evict(self, keys, token_pages, *, valid_tokens=None,
+              detect_exists: bool | None = None) -> Transfer:
         """Gather the pages ``token_pages`` ``[n, page_tokens]`` (``-1`` = padding) into
         staging and put them under ``keys`` in the background. ``valid_tokens`` (an int or
         one per key) stores a partial last page. Returns once the gather is enqueued (CUDA)
-        or done (CPU); ``Transfer.gathered`` tells when the KV rows may be overwritten."""
+        or done (CPU); ``Transfer.gathered`` tells when the KV rows may be overwritten.
+        ``detect_exists`` (default: the store's setting) is handed to the store's put:
+        ``False`` skips the master's exists query before the put (one request less, for
+        keys the caller knows are new; a key stored already then ends ``OK``, not
+        ``EXISTS``, and keeps its object); it needs a store whose ``put`` takes it."""
+        if detect_exists is not None:
+            if not isinstance(detect_exists, bool):
+                raise TypeError(f"detect_exists must be None or a bool, got {detect_exists!r}")
+            if not self._put_takes_detect_exists:
+                raise TypeError(f"detect_exists={detect_exists}: the store's put "
+                                f"({type(self.store).__name__}) takes no detect_exists")
         call = self._take_call(keys, token_pages, valid_tokens, gathering=True)
+        call.detect_exists = detect_exists
         transfer = Transfer(call.keys, kind="evict", num_layers=self.kv.max_layers,
                             device=self.device)
         if self._evict_rows is not None:
@@ -534,22 +549,24 @@ class KVMover:
                                  trailer.shape[1])
 
     @contextlib.contextmanager
-    def _begin_put(self, store_keys: list[str]):
+    def _begin_put(self, store_keys: list[str], detect_exists: bool | None):
         """A put of ``store_keys`` whose exists check starts now, while the gather ends and
         the descriptors are made (``MooncakeStore.begin_put``): yields the put to call with
         them. A store without ``begin_put``, or one that cannot begin (closed): yields its
         plain ``put``, whose failure then ends the keys' statuses as any put's does. In
         place the put checks inside it: there is no gather to overlap there, and an early
-        check measured no faster."""
+        check measured no faster. ``detect_exists``: the evict's (None: the store's
+        default)."""
+        options = {} if detect_exists is None else {"detect_exists": detect_exists}
         begin = getattr(self.store, "begin_put", None)
         pending = None
         if begin is not None:
             try:
-                pending = begin(store_keys)
+                pending = begin(store_keys, **options)
             except Exception as e:
                 log.debug("begin_put of %d keys: %s; a plain put follows", len(store_keys), e)
         if pending is None:
-            yield self.store.put
+            yield partial(self.store.put, **options) if options else self.store.put
             return
         with pending:
             yield pending.put
@@ -594,7 +611,7 @@ class KVMover:
         try:
             store_keys = self.keyspace.store_keys(piece.keys)
             # the master answers which keys exist while the gather ends and the put is made
-            with self._begin_put(store_keys) as put:
+            with self._begin_put(store_keys, piece.detect_exists) as put:
                 if gathered is not None:
                     gathered.synchronize()
                 bad = piece.bad_on_host()
@@ -751,15 +768,16 @@ class KVMover:
                 statuses[i], codes[i] = Status.FAILED, CHECKSUM_MISMATCH
                 log.warning("object %s failed its checksum; not scattered", i)
 
-    def _store_call(self, op, desc: Descriptors
+    def _store_call(self, op, desc: Descriptors, **options
                     ) -> tuple[list[Status], list[int], object, object]:
-        """Run a store put/get; an exception becomes FAILED for every key, never lost. The
-        third item is the future of store calls given up on this memory, or None; the
-        fourth a put's ``late_stored`` (the keys those calls stored after all), or None."""
+        """Run a store put/get (``options``: its keyword arguments); an exception becomes
+        FAILED for every key, never lost. The third item is the future of store calls
+        given up on this memory, or None; the fourth a put's ``late_stored`` (the keys those
+        calls stored after all), or None."""
         if len(desc) == 0:
             return [], [], None, None
         try:
-            statuses = op(desc)
+            statuses = op(desc, **options)
         except Exception as e:
             log.warning("%s of %d keys failed: %s", getattr(op, "__name__", "store call"),
                         len(desc), e)
@@ -825,7 +843,8 @@ class KVMover:
                 good = good[~held]
                 desc = desc.select(np.flatnonzero(~held).tolist())
         t0 = time.perf_counter()
-        got, got_codes, _, late_stored = self._store_call(self.store.put, desc)
+        got, got_codes, _, late_stored = self._store_call(self.store.put, desc,
+                                                          **_put_options(call))
         times = StageTimes(put=time.perf_counter() - t0)
         if len(got) == n:  # every key was put
             statuses, codes = got, got_codes
@@ -929,13 +948,14 @@ class Call:
     valid: np.ndarray  # int64 [n] valid tokens per key
     bad: np.ndarray | torch.Tensor | None  # bool [n]: a row of the key's page out of range
     ordered: object = None  # CUDA event after the caller's work at call time
+    detect_exists: bool | None = None  # an evict's, for the store's put (None: its default)
     _bad_host: torch.Tensor | None = None
     _pages_host: torch.Tensor | None = None
 
     def piece(self, first: int, last: int) -> Call:
         bad = None if self.bad is None else self.bad[first:last]
         return Call(self.keys[first:last], self.pages[first:last], self.valid[first:last],
-                    bad, self.ordered)
+                    bad, self.ordered, self.detect_exists)
 
     def fetch_bad(self) -> None:
         """Enqueue the copy of a device ``bad`` mask to the host (on the current stream)."""
@@ -956,6 +976,20 @@ class Call:
         if isinstance(self.bad, torch.Tensor):
             return self._bad_host.numpy()
         return self.bad
+
+
+def _put_options(call: Call) -> dict:
+    """The keyword arguments of the store's put for ``call``'s keys."""
+    return {} if call.detect_exists is None else {"detect_exists": call.detect_exists}
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # not a callable, or one without a signature
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _stored_keys(bad: np.ndarray | None, n: int) -> np.ndarray:

@@ -22,7 +22,13 @@ from kvmove.cli.cluster_node import ClusterNode, NodeProcess
 from kvmove.memory.host_memory import HostMemory
 from kvmove.status import BAD_ROWS
 from tests.support.caches import GEOMETRIES, snapshot
-from tests.support.store_state import PUT, SlowClient, registered_regions, swap_client
+from tests.support.store_state import (
+    CHECK,
+    PUT,
+    SlowClient,
+    registered_regions,
+    swap_client,
+)
 from tests.support.threads import close_while_calling
 
 PATHS = ("staged", "in_place")
@@ -160,6 +166,56 @@ def test_both_paths_give_the_same_statuses_and_leave_failed_rows_untouched(mover
     assert got == [Status.OK, Status.MISS, Status.SIZE_MISMATCH, Status.MISS,
                    Status.SIZE_MISMATCH, Status.MISS, Status.FAILED]
     assert got_bad == BAD_ROWS
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_evict_without_the_exists_query(movers, store, keyspace, path):
+    """``detect_exists=False``: one put, no exists query first; a stored key ends OK (as
+    Mooncake answers) and keeps its first object. The store's default still asks."""
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](64))
+    m = movers(kv)[path]
+    client = swap_client(store, SlowClient)
+    first, second = torch.arange(8).reshape(2, 4), torch.arange(8, 16).reshape(2, 4)
+    scribble(kv, first.reshape(-1))
+    keys = keyspace(2)
+    assert m.evict(keys, first, detect_exists=False).wait(30) == [Status.OK] * 2
+    assert client.names() == [PUT]
+    client.calls.clear()
+    # the same keys from other rows: OK without the query, EXISTS with it; the first kept
+    assert m.evict(keys, second, detect_exists=False).wait(30) == [Status.OK] * 2
+    assert client.names() == [PUT]
+    client.calls.clear()
+    assert m.evict(keys, second).wait(30) == [Status.EXISTS] * 2
+    assert CHECK in client.names()
+    dest = torch.arange(32, 40).reshape(2, 4)
+    assert m.prefetch(keys, dest).wait(30) == [Status.OK] * 2
+    assert rows_bytes(kv, dest.reshape(-1)) == rows_bytes(kv, first.reshape(-1))
+
+
+def test_detect_exists_is_checked_before_anything_moves(store, keyspace):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](16))
+    with kvmove.KVMover(kv, store, page_tokens=4, staging_slots=4, path="in_place") as m, \
+            pytest.raises(TypeError, match="detect_exists must be None or a bool, got 0"):
+        m.evict(keyspace(1), torch.arange(4).reshape(1, 4), detect_exists=0)
+
+    class PutWithoutOptions:  # a store whose put takes the descriptors only
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def put(self, desc):
+            return self.inner.put(desc)
+
+    with kvmove.KVMover(kv, PutWithoutOptions(store), page_tokens=4, staging_slots=4,
+                        path="staged") as m:
+        keys = keyspace(1)
+        with pytest.raises(TypeError, match="takes no detect_exists"):
+            m.evict(keys, torch.arange(4).reshape(1, 4), detect_exists=False)
+        assert m.staging.num_free == m.staging.num_slots
+        assert m.evict(keys, torch.arange(4).reshape(1, 4)).wait(30) == [Status.OK]
+        assert store.exists(m.keyspace.store_keys(keys)) == [True]
 
 
 def test_failed_gets_in_place_leave_the_rows_untouched(store, keyspace):

@@ -74,7 +74,9 @@ class MemoryStore:
         return used
 
     # -- calls --------------------------------------------------------------------------
-    def put(self, desc: Descriptors) -> StoreResult:
+    def put(self, desc: Descriptors, *, detect_exists: bool = True) -> StoreResult:
+        """As ``MooncakeStore.put``: a stored key ends ``EXISTS`` with ``detect_exists``,
+        else ``OK`` (code 0, as Mooncake answers); either way its object is kept."""
         self._open("put")
         self._check(desc)
         statuses, codes = [], []
@@ -83,8 +85,8 @@ class MemoryStore:
             for key, ptrs, sizes in desc:
                 with self._lock:
                     if key in self._objects:
-                        statuses.append(Status.EXISTS)
-                        codes.append(OBJECT_ALREADY_EXISTS)
+                        statuses.append(Status.EXISTS if detect_exists else Status.OK)
+                        codes.append(OBJECT_ALREADY_EXISTS if detect_exists else 0)
                         continue
                 data = b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes, strict=True))
                 with self._lock:
