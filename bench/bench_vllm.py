@@ -5,7 +5,10 @@
   connector's own ``KVMover`` (``block_mover``: raw vLLM keys, loads into free blocks) with
   its default ``path="auto"`` (what it picks is reported): save = a put straight from the
   blocks, or a gather into staging + put; load = a get straight into the blocks, or get +
-  scatter (whole-cache, and layer by layer).
+  scatter (whole-cache, and layer by layer). The blocks saved are new, as a request's
+  blocks that its lookup found in no namespace: the connector saves those without asking
+  the master which exist ("kvmove save"); "kvmove save (exists query)" is the save of
+  blocks the lookup did not vouch for (it asks first, as vLLM's connector always does).
 - vLLM: its worker's data path: ``RankLocalStoreLayout.prepare_values`` descriptors straight
   into the registered KV cache, ``batch_is_exist`` + ``batch_put_from_multi_buffers`` on save,
   ``batch_get_into_multi_buffers`` on load (zero copy). Its connector makes these calls on
@@ -115,7 +118,8 @@ def bench(args) -> dict:
     vllm.register_kv_caches(src, num_blocks)
     chunks = [(i * bs, (i + 1) * bs) for i in range(n)]
     rows: dict[str, list[float]] = {name: [] for name in (
-        "kvmove save", "vLLM save", "vLLM save (inline)", "kvmove save returns",
+        "kvmove save", "kvmove save (exists query)", "vLLM save", "vLLM save (inline)",
+        "kvmove save returns",
         "vLLM save returns", "kvmove load",
         "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)")}
     thread = transfer_thread(bs)
@@ -164,10 +168,11 @@ def bench(args) -> dict:
 
         # As the connector's worker calls the mover: the pages made from the block ids on
         # every call (vLLM's side builds its span lists on every call too).
-        def kvmove_save(k):
+        def kvmove_save(k, detect_exists):
             t0 = time.perf_counter()
-            t = mover.evict(k, block_pages(save_ids))
-            returned["kvmove"] = time.perf_counter() - t0
+            t = mover.evict(k, block_pages(save_ids), detect_exists=detect_exists)
+            if detect_exists is False:  # the connector's save of blocks found absent
+                returned["kvmove"] = time.perf_counter() - t0
             assert t.wait() == [kvmove.Status.OK] * n
 
         def kvmove_load(k, layerwise):
@@ -180,20 +185,21 @@ def bench(args) -> dict:
 
         for t in src:
             t[load_ids] = 0
-        saves = {"kvmove": kvmove_save, "vLLM": lambda k: on_thread(vllm_save, k),
-                 "vLLM (inline)": vllm_save}
+        saves = {"kvmove": lambda k: kvmove_save(k, False),
+                 "kvmove (exists query)": lambda k: kvmove_save(k, None),
+                 "vLLM": lambda k: on_thread(vllm_save, k), "vLLM (inline)": vllm_save}
         loads = {"kvmove": lambda k: kvmove_load(k, False),
                  "vLLM": lambda k: on_thread(vllm_load, k), "vLLM (inline)": vllm_load}
         for r in range(args.warmup + args.repeat):
             tagged = {who: keys(who) for who in saves}
             order = list(saves)
-            order = order[r % 3:] + order[:r % 3]  # rotated: each goes first in turn
+            order = order[r % len(order):] + order[:r % len(order)]  # each goes first in turn
             times = {}
             for who in order:
                 times[_row(who, "save")] = _timed(lambda f=saves[who], k=tagged[who]: f(k))
                 if who in returned:
                     times[f"{who} save returns"] = returned.pop(who)
-            for who in order:
+            for who in (w for w in order if w in loads):
                 times[_row(who, "load")] = _timed(lambda f=loads[who], k=tagged[who]: f(k))
                 check_loaded()
             kk = tagged["kvmove"]
@@ -222,6 +228,10 @@ def bench(args) -> dict:
         # each other, so that the load of a shared machine, drifting over seconds, cancels)
         "paired_ratio": {op: _paired(rows[f"vLLM {op}"], rows[f"kvmove {op}"])
                          for op in ("save", "load")},
+        # the save of blocks the lookup did not vouch for: the exists query first, as vLLM's
+        "save_ratio_exists_query": med["vLLM save"] / med["kvmove save (exists query)"],
+        "paired_ratio_exists_query": _paired(rows["vLLM save"],
+                                             rows["kvmove save (exists query)"]),
         "inline_ratio": {op: med[f"vLLM {op} (inline)"] / med[f"kvmove {op}"]
                          for op in ("save", "load")},
         "kvmove_path": {"save": choice.evict, "load": choice.prefetch, "why": choice.reason},
@@ -265,6 +275,11 @@ def report(result: dict, console) -> None:
         console.print("the same, per repeat (median of paired ratios, quartiles): " + ", ".join(
             f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
             for op, p in paired.items()))
+    query = s.get("paired_ratio_exists_query")
+    if query:
+        console.print(f"kvmove's save with the exists query first (blocks not known to be "
+                      f"new): {s['save_ratio_exists_query']:.2f}x, paired "
+                      f"{query['median']:.2f}x ({query['q1']:.2f}-{query['q3']:.2f})")
     path = s.get("kvmove_path")
     if path:
         console.print(f"kvmove's path: save {path['save']}, load {path['load']} "

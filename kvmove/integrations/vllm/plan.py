@@ -15,12 +15,14 @@ DEFAULT_STAGING_BYTES = 1 << 30
 class BlockTransfer:
     """Blocks to load or save: ``keys[i]`` is the object of vLLM block ``block_ids[i]``, the
     block at position ``first_block + i`` in its request (block 0 holds tokens ``0 ..
-    block_size - 1``)."""
+    block_size - 1``). ``absent_at_lookup`` (saves): the scheduler's lookup of the request
+    found none of these blocks in the store."""
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
     first_block: int = 0
+    absent_at_lookup: bool = False
 
     def positions(self) -> range:
         """The position in its request of each block."""

@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import kvmove
 from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata, KVMoveWorkerMetadata
 from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
@@ -21,6 +23,8 @@ class _Request:
     block_ids: list[int]
     saved_blocks: int  # blocks [0, saved_blocks) are scheduled for saving already
     load: BlockTransfer | None = None
+    # blocks [absent[0], absent[1]) were in no namespace when the request was looked up
+    absent: tuple[int, int] | None = None
 
 
 class SchedulerSide:
@@ -34,6 +38,11 @@ class SchedulerSide:
     blocks saves none of its blocks (were that load to fail, the tokens computed in the step
     over those blocks would be stored under good keys); its next step does.
 
+    A save of blocks that the request's lookup found in no namespace is marked
+    ``absent_at_lookup``: the worker puts them without asking the store first which exist
+    (one master request less per step; were one stored since, by another request with the
+    same prefix, its put ends OK and the stored object stays).
+
     A step's saves are one job: once vLLM has bound its block pool (:meth:`bind_pool`), the
     job holds a reference on each of its blocks until all ``workers`` reported it done
     (:meth:`saves_done`), so a worker's save need not wait for its put and vLLM cannot
@@ -45,6 +54,7 @@ class SchedulerSide:
         self.store = kvmove.MooncakeStore(connector_store_config().replace(
             global_segment_size=0))
         self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
+        self._absent: dict[str, tuple[int, int]] = {}  # req -> blocks its lookup did not find
         self._reqs: dict[str, _Request] = {}
         self.workers = workers
         self.hold_blocks = hold_blocks  # False: saves wait for their puts instead
@@ -109,9 +119,13 @@ class SchedulerSide:
             log.warning("lookup of %d blocks failed: %s", len(hashes), e)
             return 0
         n = len(hashes)
-        hit = 0
-        while hit < n and all(found[j * n + hit] for j in range(len(namespaces))):
-            hit += 1
+        grid = np.asarray(found, dtype=bool).reshape(len(namespaces), n)  # [namespace, block]
+        everywhere = grid.all(axis=0)
+        hit = n if everywhere.all() else int(np.argmin(everywhere))  # the first block missing
+        # Blocks past the last one any namespace holds are absent (their saves need no
+        # exists query); the request's state takes this over in after_alloc.
+        held = np.flatnonzero(grid.any(axis=0))
+        self._absent[request.request_id] = (int(held[-1]) + 1 if held.size else 0, n)
         if plan.eagle_block_drop and hit:  # as vLLM's lookups: the last block is dropped
             hit -= 1
         hit_tokens = hit * bs
@@ -124,7 +138,8 @@ class SchedulerSide:
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         computed, hit = self._pending.pop(request.request_id, (0, 0))
-        state = _Request(request, list(block_ids), saved_blocks=0)
+        state = _Request(request, list(block_ids), saved_blocks=0,
+                         absent=self._absent.pop(request.request_id, None))
         if num_external_tokens > 0:
             bs = self.plan.block_size
             first, end = computed // bs, hit // bs
@@ -183,13 +198,16 @@ class SchedulerSide:
         if full <= state.saved_blocks:
             return
         first, state.saved_blocks = state.saved_blocks, full
+        absent = state.absent is not None and state.absent[0] <= first and full <= state.absent[1]
         meta.saves.append(BlockTransfer(state.request.request_id,
                                         [h.hex() for h in hashes[first:full]],
-                                        state.block_ids[first:full], first))
+                                        state.block_ids[first:full], first,
+                                        absent_at_lookup=absent))
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
         self._pending.pop(req_id, None)
+        self._absent.pop(req_id, None)
 
     # The worker-side methods are not called on this side.
     def close(self) -> None:

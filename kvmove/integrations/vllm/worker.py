@@ -175,11 +175,14 @@ class WorkerSide:
         # Saves start at a request's first block (see SchedulerSide). The mover's put asks
         # the master which keys it holds and sends only the others (they end EXISTS), as
         # vLLM's connector does (on a GPU, in the background): no query of its own on the
-        # engine's thread first.
+        # engine's thread first. Blocks the scheduler's lookup found in no namespace go
+        # without that query (one master request less; Mooncake keeps an object stored
+        # since, and answers OK).
         keys, block_ids = list(first_block), list(first_block.values())
         pages = block_pages(block_ids)
-        try:
-            transfer = self.mover.evict(keys, pages)  # in staging-sized pieces where needed
+        absent = all(t.absent_at_lookup for t in meta.saves)
+        try:  # in staging-sized pieces where needed
+            transfer = self.mover.evict(keys, pages, detect_exists=False if absent else None)
         except kvmove.StagingFull as e:  # a save missed costs a recompute, never the step
             log.warning("kvmove connector: %d block saves skipped: %s", len(keys), e)
             return None

@@ -23,6 +23,7 @@ from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.scheduler import SchedulerSide
 from kvmove.integrations.vllm.worker import WorkerSide, block_pages, unique_rounds
 from tests.integrations.vllm.caches import vllm_layer_caches
+from tests.support.store_state import CHECK, PUT, SlowClient, swap_client
 from tests.support.tenants import multi_tenant_store
 
 BS = 32  # tokens per block
@@ -215,6 +216,55 @@ def test_blocks_from_vllms_own_prefix_cache_are_saved_when_the_store_lacks_them(
     assert [block_bytes(dst, b) for b in (0, 1, 2)] == [block_bytes(src, b) for b in (4, 5, 6)]
 
 
+@pytest.mark.parametrize("path", ["staged", "in_place"])
+def test_blocks_the_lookup_did_not_find_are_saved_without_the_exists_query(path):
+    """Blocks a request's lookup found in no namespace are saved without asking the store
+    which exist (one master request less); a step that saves a block the store held at
+    lookup asks, and that block is not sent again. The bytes are the same either way."""
+    plan = plan_for(path)
+    hashes = block_hashes(f"absent-{path}", 4)
+    keys = [h.hex() for h in hashes]
+    fresh = block_hashes(f"fresh-{path}", 3)
+    src = caches(seed=7)
+    with worker_side(plan, src) as w:  # block 1 is in the store already
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", [keys[1]], [5], 1)]))
+    sched = SchedulerSide(plan)
+    try:
+        assert sched.matched_tokens(request("f", fresh, 100), 0) == 0
+        sched.after_alloc(request("f", fresh, 100), [0, 1, 2, 3], 0)
+        req = request("h", hashes, 4 * BS + 1)
+        assert sched.matched_tokens(req, 0) == 0  # block 0 is missing: no hit
+        sched.after_alloc(req, [4, 5, 6, 7, 8], 0)
+        steps = [
+            sched.build_meta(output([new_request("f", [0, 1, 2, 3], 0)], scheduled={"f": 100})),
+            sched.build_meta(output([new_request("h", [4, 5, 6, 7, 8], 0)],
+                                    scheduled={"h": 2 * BS + 1})),  # blocks 0 and 1
+            sched.build_meta(output(cached=cached_request("h", None, 2 * BS + 1, resumed=False),
+                                    scheduled={"h": 2 * BS})),  # blocks 2 and 3
+        ]
+    finally:
+        sched.close()
+    assert [[(t.first_block, t.absent_at_lookup) for t in m.saves] for m in steps] == \
+        [[(0, True)], [(0, False)], [(2, True)]]
+    with worker_side(plan, src) as w:
+        client = swap_client(w.store, SlowClient)
+        for meta, want in zip(steps, ([PUT], [CHECK, PUT], [PUT]), strict=True):
+            client.calls.clear()
+            w.save(meta)
+            w._reap_saves(wait=True)
+            assert client.names() == want
+        stats = w.mover.stats()
+        assert stats.pages_put == 6 and stats.statuses[kvmove.Status.EXISTS] == 1
+    dst = caches(seed=8, zero=True)
+    with worker_side(plan, dst) as w:
+        got = KVMoveConnectorMetadata(loads=[BlockTransfer("d", keys, [9, 10, 11, 12]),
+                                             BlockTransfer("e", [h.hex() for h in fresh],
+                                                           [13, 14, 15])])
+        assert load(w, got) == set()
+    assert [block_bytes(dst, b) for b in range(9, 16)] == \
+        [block_bytes(src, b) for b in (4, 5, 6, 7, 0, 1, 2)]
+
+
 def test_a_step_that_loads_saves_nothing_then_its_blocks_are_saved_from_the_first():
     """vLLM's rule: a step that loads a request's blocks saves none of them (a failed load
     would have its new tokens computed over bad KV, and stored under good keys); the next
@@ -394,7 +444,7 @@ class RecordingMover:
         self.saved: list[str] = []
         self.loaded: list[str] = []
 
-    def evict(self, keys, pages):
+    def evict(self, keys, pages, detect_exists=None):
         self.saved += keys
         return SimpleNamespace(gathered=SimpleNamespace(wait=lambda: None), done=lambda: True,
                                wait=lambda: [kvmove.Status.OK] * len(keys))
@@ -482,7 +532,7 @@ def test_a_save_without_staging_slots_is_skipped_not_raised(monkeypatch, caplog)
     import vllm.distributed.parallel_state as parallel_state
 
     class FullMover(RecordingMover):
-        def evict(self, keys, pages):
+        def evict(self, keys, pages, detect_exists=None):
             raise kvmove.StagingFull("no staging slots came free within 60 s")
 
     plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("ds"),
