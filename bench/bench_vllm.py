@@ -264,8 +264,9 @@ def report(result: dict, console) -> None:
                       f"{s['spread'][k] * 100:.0f}%")
     console.print(table)
     console.print(f"kvmove / vLLM (time ratio, > 1 = kvmove faster; vLLM's calls on its "
-                  f"transfer thread, as its connector makes them): save "
-                  f"{s['save_ratio']:.2f}x, load {s['load_ratio']:.2f}x")
+                  f"transfer thread, as its connector makes them; kvmove's save of new "
+                  f"blocks, without the exists query): save {s['save_ratio']:.2f}x, load "
+                  f"{s['load_ratio']:.2f}x")
     inline = s.get("inline_ratio")
     if inline:
         console.print(f"against vLLM's calls made inline (no thread): save "

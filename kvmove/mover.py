@@ -303,8 +303,11 @@ class KVMover:
         or done (CPU); ``Transfer.gathered`` tells when the KV rows may be overwritten.
         ``detect_exists`` (default: the store's setting) is handed to the store's put:
         ``False`` skips the master's exists query before the put (one request less, for
-        keys the caller knows are new; a key stored already then ends ``OK``, not
-        ``EXISTS``, and keeps its object); it needs a store whose ``put`` takes it."""
+        keys the caller knows are new): a key stored already then ends ``OK``, not
+        ``EXISTS`` (and counts as put in ``stats()``), and keeps its object, unless an
+        in-place put of it is given up: Mooncake's ``0`` for it then reads as stored by
+        that call, which is removed once it returns (a later ``MISS``, never bytes of two
+        moments). It needs a store whose ``put`` takes it."""
         if detect_exists is not None:
             if not isinstance(detect_exists, bool):
                 raise TypeError(f"detect_exists must be None or a bool, got {detect_exists!r}")

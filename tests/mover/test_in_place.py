@@ -170,25 +170,27 @@ def test_both_paths_give_the_same_statuses_and_leave_failed_rows_untouched(mover
 
 @pytest.mark.parametrize("path", PATHS)
 def test_an_evict_without_the_exists_query(movers, store, keyspace, path):
-    """``detect_exists=False``: one put, no exists query first; a stored key ends OK (as
-    Mooncake answers) and keeps its first object. The store's default still asks."""
-    kv = kvmove.KVCache(GEOMETRIES["hybrid"](64))
-    m = movers(kv)[path]
+    """``detect_exists=False``: puts only, no exists query first (every piece of an evict
+    larger than the staging too); a stored key ends OK (as Mooncake answers) and keeps its
+    first object. The store's default still asks."""
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](128))
+    m = movers(kv)[path]  # 8 staging slots: 10 keys are two staged pieces
     client = swap_client(store, SlowClient)
-    first, second = torch.arange(8).reshape(2, 4), torch.arange(8, 16).reshape(2, 4)
+    first, second = torch.arange(40).reshape(10, 4), torch.arange(40, 80).reshape(10, 4)
     scribble(kv, first.reshape(-1))
-    keys = keyspace(2)
-    assert m.evict(keys, first, detect_exists=False).wait(30) == [Status.OK] * 2
-    assert client.names() == [PUT]
+    keys = keyspace(10)
+    puts = [PUT, PUT] if path == "staged" else [PUT]
+    assert m.evict(keys, first, detect_exists=False).wait(30) == [Status.OK] * 10
+    assert client.names() == puts
     client.calls.clear()
     # the same keys from other rows: OK without the query, EXISTS with it; the first kept
-    assert m.evict(keys, second, detect_exists=False).wait(30) == [Status.OK] * 2
-    assert client.names() == [PUT]
+    assert m.evict(keys, second, detect_exists=False).wait(30) == [Status.OK] * 10
+    assert client.names() == puts
     client.calls.clear()
-    assert m.evict(keys, second).wait(30) == [Status.EXISTS] * 2
+    assert m.evict(keys, second).wait(30) == [Status.EXISTS] * 10
     assert CHECK in client.names()
-    dest = torch.arange(32, 40).reshape(2, 4)
-    assert m.prefetch(keys, dest).wait(30) == [Status.OK] * 2
+    dest = torch.arange(80, 120).reshape(10, 4)
+    assert m.prefetch(keys, dest).wait(30) == [Status.OK] * 10
     assert rows_bytes(kv, dest.reshape(-1)) == rows_bytes(kv, first.reshape(-1))
 
 
@@ -562,6 +564,25 @@ def test_a_put_given_up_removes_only_what_it_stored(slow_puts, keyspace):
         for name in kv.buffer_names:
             for layer in range(kv.num_layers(name)):
                 assert torch.equal(kv.layer(name, layer)[12:16], kv.layer(name, layer)[4:8])
+
+
+def test_a_put_given_up_without_the_exists_query_removes_a_key_stored_before(slow_puts,
+                                                                            keyspace):
+    # Without the query Mooncake answers 0 for a stored key: the late call reads as having
+    # stored it, and its keys are removed once it returns (a later MISS, never bytes of two
+    # moments), the object stored before included (KVMover.evict's docstring).
+    s, client = slow_puts
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    keys = keyspace(1)
+    page = torch.tensor([[0, 1, 2, 3]])
+    with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
+        assert m.evict(keys, page).wait() == [Status.OK]
+        client.delay[PUT] = 1.5
+        assert m.evict(keys, page, detect_exists=False).wait() == [Status.FAILED]
+        assert client.names()[-1] == PUT and CHECK not in client.names()[1:]
+        client.delay.clear()
+        returned(s)
+        assert s.exists(m.keyspace.store_keys(keys)) == [False]
 
 
 def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(slow_puts,

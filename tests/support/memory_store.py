@@ -74,9 +74,11 @@ class MemoryStore:
         return used
 
     # -- calls --------------------------------------------------------------------------
-    def put(self, desc: Descriptors, *, detect_exists: bool = True) -> StoreResult:
-        """As ``MooncakeStore.put``: a stored key ends ``EXISTS`` with ``detect_exists``,
-        else ``OK`` (code 0, as Mooncake answers); either way its object is kept."""
+    def put(self, desc: Descriptors, *, detect_exists: bool | None = None) -> StoreResult:
+        """As ``MooncakeStore.put`` (whose default config asks): a stored key ends ``EXISTS``
+        unless ``detect_exists=False``, then ``OK`` (code 0, as Mooncake answers); either
+        way its object is kept."""
+        detect_exists = detect_exists is not False
         self._open("put")
         self._check(desc)
         statuses, codes = [], []

@@ -41,7 +41,8 @@ class SchedulerSide:
     A save of blocks that the request's lookup found in no namespace is marked
     ``absent_at_lookup``: the worker puts them without asking the store first which exist
     (one master request less per step; were one stored since, by another request with the
-    same prefix, its put ends OK and the stored object stays).
+    same prefix, its put ends OK and the stored object stays, unless that put is given up:
+    then the key is removed once the call returns, a later miss, see ``KVMover.evict``).
 
     A step's saves are one job: once vLLM has bound its block pool (:meth:`bind_pool`), the
     job holds a reference on each of its blocks until all ``workers`` reported it done
@@ -104,6 +105,7 @@ class SchedulerSide:
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
         plan = self.plan
+        self._absent.pop(request.request_id, None)  # an earlier lookup's answer is stale now
         if not plan.can_load:
             return 0
         bs = plan.block_size

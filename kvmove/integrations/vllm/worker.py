@@ -177,7 +177,7 @@ class WorkerSide:
         # vLLM's connector does (on a GPU, in the background): no query of its own on the
         # engine's thread first. Blocks the scheduler's lookup found in no namespace go
         # without that query (one master request less; Mooncake keeps an object stored
-        # since, and answers OK).
+        # since, and answers OK; a put given up removes it, see KVMover.evict).
         keys, block_ids = list(first_block), list(first_block.values())
         pages = block_pages(block_ids)
         absent = all(t.absent_at_lookup for t in meta.saves)

@@ -224,45 +224,78 @@ def test_blocks_the_lookup_did_not_find_are_saved_without_the_exists_query(path)
     plan = plan_for(path)
     hashes = block_hashes(f"absent-{path}", 4)
     keys = [h.hex() for h in hashes]
-    fresh = block_hashes(f"fresh-{path}", 3)
+    fresh = {r: block_hashes(f"fresh-{r}-{path}", 2) for r in "fg"}
     src = caches(seed=7)
     with worker_side(plan, src) as w:  # block 1 is in the store already
         w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", [keys[1]], [5], 1)]))
     sched = SchedulerSide(plan)
     try:
-        assert sched.matched_tokens(request("f", fresh, 100), 0) == 0
-        sched.after_alloc(request("f", fresh, 100), [0, 1, 2, 3], 0)
+        for r, ids in (("f", [0, 1, 2]), ("g", [9, 10, 11])):
+            assert sched.matched_tokens(request(r, fresh[r], 2 * BS + 1), 0) == 0
+            sched.after_alloc(request(r, fresh[r], 2 * BS + 1), ids, 0)
         req = request("h", hashes, 4 * BS + 1)
         assert sched.matched_tokens(req, 0) == 0  # block 0 is missing: no hit
         sched.after_alloc(req, [4, 5, 6, 7, 8], 0)
         steps = [
-            sched.build_meta(output([new_request("f", [0, 1, 2, 3], 0)], scheduled={"f": 100})),
-            sched.build_meta(output([new_request("h", [4, 5, 6, 7, 8], 0)],
-                                    scheduled={"h": 2 * BS + 1})),  # blocks 0 and 1
-            sched.build_meta(output(cached=cached_request("h", None, 2 * BS + 1, resumed=False),
+            sched.build_meta(output([new_request("f", [0, 1, 2], 0)],
+                                    scheduled={"f": 2 * BS + 1})),
+            # a step with a save of blocks not known absent (h's block 0) asks for all
+            sched.build_meta(output([new_request("h", [4, 5, 6, 7, 8], 0),
+                                     new_request("g", [9, 10, 11], 0)],
+                                    scheduled={"h": BS + 1, "g": 2 * BS + 1})),
+            sched.build_meta(output(cached=cached_request("h", None, BS + 1, resumed=False),
+                                    scheduled={"h": BS})),  # block 1, held at lookup
+            sched.build_meta(output(cached=cached_request("h", None, 2 * BS + 1,
+                                                          resumed=False),
                                     scheduled={"h": 2 * BS})),  # blocks 2 and 3
         ]
     finally:
         sched.close()
     assert [[(t.first_block, t.absent_at_lookup) for t in m.saves] for m in steps] == \
-        [[(0, True)], [(0, False)], [(2, True)]]
+        [[(0, True)], [(0, False), (0, True)], [(1, False)], [(2, True)]]
     with worker_side(plan, src) as w:
         client = swap_client(w.store, SlowClient)
-        for meta, want in zip(steps, ([PUT], [CHECK, PUT], [PUT]), strict=True):
+        for meta, want in zip(steps, ([PUT], [CHECK, PUT], [CHECK], [PUT]), strict=True):
             client.calls.clear()
             w.save(meta)
             w._reap_saves(wait=True)
-            assert client.names() == want
+            assert client.names() == want  # block 1 exists: nothing left to put
         stats = w.mover.stats()
-        assert stats.pages_put == 6 and stats.statuses[kvmove.Status.EXISTS] == 1
+        assert stats.pages_put == 7 and stats.statuses[kvmove.Status.EXISTS] == 1
     dst = caches(seed=8, zero=True)
     with worker_side(plan, dst) as w:
-        got = KVMoveConnectorMetadata(loads=[BlockTransfer("d", keys, [9, 10, 11, 12]),
-                                             BlockTransfer("e", [h.hex() for h in fresh],
-                                                           [13, 14, 15])])
+        got = KVMoveConnectorMetadata(loads=[
+            BlockTransfer("d", keys, [12, 13, 14, 15]),
+            BlockTransfer("e", [h.hex() for r in "fg" for h in fresh[r]], [3, 4, 5, 6])])
         assert load(w, got) == set()
-    assert [block_bytes(dst, b) for b in range(9, 16)] == \
-        [block_bytes(src, b) for b in (4, 5, 6, 7, 0, 1, 2)]
+    assert [block_bytes(dst, b) for b in (12, 13, 14, 15, 3, 4, 5, 6)] == \
+        [block_bytes(src, b) for b in (4, 5, 6, 7, 0, 1, 9, 10)]
+
+
+def test_the_absent_blocks_are_those_no_namespace_holds_past_the_last_held():
+    """The lookup's answer over several namespaces (TP ranks with their own keys): a block
+    one namespace holds is not absent, nor any block before it; a later lookup of the
+    request that does not reach the store leaves no answer behind."""
+    plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("tp2"),
+                         tp_size=2, pp_size=1, replication=1, can_load=True, can_save=True,
+                         save_decode=False, layerwise=False, staging_bytes=1 << 20,
+                         path="staged")
+    assert len(plan.lookup_namespaces()) == 2
+    sched = SchedulerSide(plan)
+    try:
+        req = request("t", block_hashes("tp2", 5), 5 * BS + 1)
+        # namespace 0 holds blocks 0 and 1, namespace 1 blocks 0 and 2: hit 1, absent 3..5
+        held = {(0, 0), (0, 1), (1, 0), (1, 2)}
+        sched.store.exists = lambda keys: [(j, p) in held for j in range(2) for p in range(5)]
+        assert sched.matched_tokens(req, 0) == BS
+        assert sched._absent["t"] == (3, 5)
+        sched.store.exists = lambda keys: [False] * len(keys)
+        assert sched.matched_tokens(req, 0) == 0
+        assert sched._absent["t"] == (0, 5)
+        assert sched.matched_tokens(req, 5 * BS) == 0  # nothing looked up
+        assert "t" not in sched._absent
+    finally:
+        sched.close()
 
 
 def test_a_step_that_loads_saves_nothing_then_its_blocks_are_saved_from_the_first():
