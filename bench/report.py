@@ -212,10 +212,21 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += [f"vLLM connector save/load of {v['blocks']} blocks of "
                 f"{v['object_bytes'] / 1024:.0f} KiB, kvmove's connector path against vLLM's "
                 "MooncakeStoreConnector path on the same KV tensors:", ""]
-        out += _gbps_table(v["median_GBps"])
+        out += ["| path | ms (median) | GB/s |", "|---|---:|---:|"]
+        for k, sec in v["median_s"].items():  # "... returns": the caller's wait, no bytes
+            gbps = "-" if k.endswith("returns") else f"{v['median_GBps'][k]:.2f}"
+            out.append(f"| {k} | {sec * 1e3:.2f} | {gbps} |")
+        out.append("")
+        new_blocks = "; kvmove's save of new blocks, without the exists query" \
+            if "save_ratio_exists_query" in v else ""
         out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster; vLLM's calls on its "
-                f"transfer thread, as its connector makes them): save "
+                f"transfer thread, as its connector makes them{new_blocks}): save "
                 f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x"]
+        if "save_ratio_exists_query" in v:
+            q = v["paired_ratio_exists_query"]
+            out.append(f"- kvmove's save with the exists query first (blocks not known to be "
+                       f"new): {v['save_ratio_exists_query']:.2f}x, paired {q['median']:.2f}x "
+                       f"({q['q1']:.2f}-{q['q3']:.2f})")
         if "inline_ratio" in v:
             out.append(f"- against vLLM's calls made inline on the caller's thread (no "
                        f"thread, which no vLLM configuration does): save "
