@@ -202,6 +202,26 @@ def test_in_place_benchmark_runs_end_to_end_and_reports(tmp_path):
     assert "`prefetch_into_free_rows=True`" in md
 
 
+def test_the_vllm_report_gives_times_and_bytes_only_where_bytes_moved():
+    # A results record as bench_vllm writes it (the bench itself needs vLLM's environment).
+    paired = {"median": 1.0, "q1": 0.98, "q2": 1.0, "q3": 1.02}
+    rows = {"kvmove save": 0.025, "kvmove save (exists query)": 0.0252, "vLLM save": 0.0251,
+            "kvmove save returns": 0.0003, "vLLM save returns": 0.00003,
+            "kvmove load": 0.0255, "vLLM load": 0.025}
+    record = {"vllm": {
+        "blocks": 256, "object_bytes": 512 << 10, "median_s": rows,
+        "median_GBps": {k: (128 << 20) / v / 1e9 for k, v in rows.items()},
+        "save_ratio": 1.004, "load_ratio": 0.98, "paired_ratio": {"save": paired,
+                                                                  "load": paired},
+        "save_ratio_exists_query": 0.996, "paired_ratio_exists_query": paired}}
+    md = "\n".join(report.suite_section("vllm", record))
+    assert "| kvmove save returns | 0.30 | - |" in md and "| vLLM save returns | 0.03 | - |" in md
+    assert f"| kvmove save | 25.00 | {(128 << 20) / 0.025 / 1e9:.2f} |" in md
+    assert "save of new blocks, without the exists query): save 1.00x, load 0.98x" in md
+    assert "with the exists query first (blocks not known to be new): 1.00x, paired 1.00x " \
+           "(0.98-1.02)" in md
+
+
 def test_calls_benchmark_times_checked_calls_and_reports_them(tmp_path):
     from bench import bench_calls
 
