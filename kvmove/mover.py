@@ -552,15 +552,14 @@ class KVMover:
                                  trailer.shape[1])
 
     @contextlib.contextmanager
-    def _begin_put(self, store_keys: list[str], detect_exists: bool | None):
+    def _begin_put(self, store_keys: list[str], options: dict):
         """A put of ``store_keys`` whose exists check starts now, while the gather ends and
         the descriptors are made (``MooncakeStore.begin_put``): yields the put to call with
         them. A store without ``begin_put``, or one that cannot begin (closed): yields its
         plain ``put``, whose failure then ends the keys' statuses as any put's does. In
         place the put checks inside it: there is no gather to overlap there, and an early
-        check measured no faster. ``detect_exists``: the evict's (None: the store's
-        default)."""
-        options = {} if detect_exists is None else {"detect_exists": detect_exists}
+        check measured no faster. ``options``: the put's keyword arguments
+        (:func:`_put_options`)."""
         begin = getattr(self.store, "begin_put", None)
         pending = None
         if begin is not None:
@@ -614,7 +613,7 @@ class KVMover:
         try:
             store_keys = self.keyspace.store_keys(piece.keys)
             # the master answers which keys exist while the gather ends and the put is made
-            with self._begin_put(store_keys, piece.detect_exists) as put:
+            with self._begin_put(store_keys, _put_options(piece)) as put:
                 if gathered is not None:
                     gathered.synchronize()
                 bad = piece.bad_on_host()
