@@ -5,7 +5,11 @@
   connector's own ``KVMover`` (``block_mover``: raw vLLM keys, loads into free blocks) with
   its default ``path="auto"`` (what it picks is reported): save = a put straight from the
   blocks, or a gather into staging + put; load = a get straight into the blocks, or get +
-  scatter (whole-cache, and layer by layer). The blocks saved are new, as a request's
+  scatter. "kvmove load" is the connector's default, asynchronous load: the prefetch runs
+  on the mover's worker thread while the caller waits without taking it over (a request
+  waits for its blocks while the engine steps on); "kvmove load (in the step)" and
+  "(layer-wise)" are its loads with ``load_async`` off, inside the step (the caller takes
+  the job over when no worker has started it). The blocks saved are new, as a request's
   blocks that its lookup found in no namespace: the connector saves those without asking
   the master which exist ("kvmove save"); "kvmove save (exists query)" is the save of
   blocks the lookup did not vouch for (it asks first, as vLLM's connector always does).
@@ -20,7 +24,8 @@
 - "save returns": how long the caller's (the engine's) thread waits in the save. vLLM's
   connector hands the save to its send thread; kvmove's evict returns once the put is under
   way (in place, the put runs in the background: in an engine, vLLM's scheduler holds the
-  blocks until the worker reports the put done).
+  blocks until the worker reports the put done). "load returns": the same for an
+  asynchronous load (vLLM's hand-off to its receive thread; kvmove's prefetch call).
 
 Both talk to one embedded master through one Mooncake client, over loopback TCP. Needs the
 vLLM environment (``bash scripts/test_vllm.sh --setup-only``)::
@@ -120,8 +125,9 @@ def bench(args) -> dict:
     rows: dict[str, list[float]] = {name: [] for name in (
         "kvmove save", "kvmove save (exists query)", "vLLM save", "vLLM save (inline)",
         "kvmove save returns",
-        "vLLM save returns", "kvmove load",
-        "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)")}
+        "vLLM save returns", "kvmove load", "kvmove load (in the step)",
+        "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)",
+        "kvmove load returns", "vLLM load returns")}
     thread = transfer_thread(bs)
     segment = max(1 << 30, 4 * total * args.repeat + (256 << 20))
     with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
@@ -175,8 +181,12 @@ def bench(args) -> dict:
                 returned["kvmove"] = time.perf_counter() - t0
             assert t.wait() == [kvmove.Status.OK] * n
 
-        def kvmove_load(k, layerwise):
+        def kvmove_load(k, layerwise, background=False):
+            t0 = time.perf_counter()
             t = mover.prefetch(k, block_pages(load_ids), layerwise=layerwise)
+            if background:  # the connector's asynchronous load: a bounded wait only waits
+                returned["kvmove"] = time.perf_counter() - t0
+                t.wait(timeout=600)
             if layerwise:
                 for layer in range(args.layers):
                     t.wait_layer(layer)
@@ -188,8 +198,11 @@ def bench(args) -> dict:
         saves = {"kvmove": lambda k: kvmove_save(k, False),
                  "kvmove (exists query)": lambda k: kvmove_save(k, None),
                  "vLLM": lambda k: on_thread(vllm_save, k), "vLLM (inline)": vllm_save}
-        loads = {"kvmove": lambda k: kvmove_load(k, False),
-                 "vLLM": lambda k: on_thread(vllm_load, k), "vLLM (inline)": vllm_load}
+        loads = {  # the load -> the save whose objects it reads, and the call
+            "kvmove": ("kvmove", lambda k: kvmove_load(k, False, background=True)),
+            "kvmove (in the step)": ("kvmove (exists query)", lambda k: kvmove_load(k, False)),
+            "vLLM": ("vLLM", lambda k: on_thread(vllm_load, k)),
+            "vLLM (inline)": ("vLLM (inline)", vllm_load)}
         for r in range(args.warmup + args.repeat):
             tagged = {who: keys(who) for who in saves}
             order = list(saves)
@@ -199,9 +212,13 @@ def bench(args) -> dict:
                 times[_row(who, "save")] = _timed(lambda f=saves[who], k=tagged[who]: f(k))
                 if who in returned:
                     times[f"{who} save returns"] = returned.pop(who)
-            for who in (w for w in order if w in loads):
-                times[_row(who, "load")] = _timed(lambda f=loads[who], k=tagged[who]: f(k))
+            load_order = list(loads)
+            for who in load_order[r % len(loads):] + load_order[:r % len(loads)]:
+                saved, f = loads[who]
+                times[_row(who, "load")] = _timed(lambda f=f, k=tagged[saved]: f(k))
                 check_loaded()
+                if who in returned:
+                    times[f"{who} load returns"] = returned.pop(who)
             kk = tagged["kvmove"]
             times["kvmove load (layer-wise)"] = _timed(lambda kk=kk: kvmove_load(kk, True))
             check_loaded()
@@ -224,6 +241,8 @@ def bench(args) -> dict:
         "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
         "save_ratio": med["vLLM save"] / med["kvmove save"],
         "load_ratio": med["vLLM load"] / med["kvmove load"],
+        # the connector's load with load_async off, inside the step
+        "load_ratio_in_step": med["vLLM load"] / med["kvmove load (in the step)"],
         # vLLM's time over kvmove's within each repeat (the two ran within milliseconds of
         # each other, so that the load of a shared machine, drifting over seconds, cancels)
         "paired_ratio": {op: _paired(rows[f"vLLM {op}"], rows[f"kvmove {op}"])
@@ -276,6 +295,9 @@ def report(result: dict, console) -> None:
         console.print("the same, per repeat (median of paired ratios, quartiles): " + ", ".join(
             f"{op} {p['median']:.2f}x ({p['q1']:.2f}-{p['q3']:.2f})"
             for op, p in paired.items()))
+    if "load_ratio_in_step" in s:
+        console.print(f"kvmove's load inside the step (load_async off): "
+                      f"{s['load_ratio_in_step']:.2f}x")
     query = s.get("paired_ratio_exists_query")
     if query:
         console.print(f"kvmove's save with the exists query first (blocks not known to be "

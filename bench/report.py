@@ -222,6 +222,9 @@ def suite_section(name: str, suite: dict) -> list[str]:
         out += [f"- kvmove / vLLM (time ratio, > 1 = kvmove faster; vLLM's calls on its "
                 f"transfer thread, as its connector makes them{new_blocks}): save "
                 f"{v['save_ratio']:.2f}x, load {v['load_ratio']:.2f}x"]
+        if "load_ratio_in_step" in v:
+            out.append(f"- kvmove's load inside the step (the connector with `load_async` "
+                       f"off): {v['load_ratio_in_step']:.2f}x")
         if "save_ratio_exists_query" in v:
             q = v["paired_ratio_exists_query"]
             out.append(f"- kvmove's save with the exists query first (blocks not known to be "

@@ -207,15 +207,18 @@ def test_the_vllm_report_gives_times_and_bytes_only_where_bytes_moved():
     paired = {"median": 1.0, "q1": 0.98, "q2": 1.0, "q3": 1.02}
     rows = {"kvmove save": 0.025, "kvmove save (exists query)": 0.0252, "vLLM save": 0.0251,
             "kvmove save returns": 0.0003, "vLLM save returns": 0.00003,
-            "kvmove load": 0.0255, "vLLM load": 0.025}
+            "kvmove load": 0.0255, "kvmove load (in the step)": 0.0251, "vLLM load": 0.025,
+            "kvmove load returns": 0.0002, "vLLM load returns": 0.00004}
     record = {"vllm": {
         "blocks": 256, "object_bytes": 512 << 10, "median_s": rows,
         "median_GBps": {k: (128 << 20) / v / 1e9 for k, v in rows.items()},
-        "save_ratio": 1.004, "load_ratio": 0.98, "paired_ratio": {"save": paired,
-                                                                  "load": paired},
+        "save_ratio": 1.004, "load_ratio": 0.98, "load_ratio_in_step": 0.996,
+        "paired_ratio": {"save": paired, "load": paired},
         "save_ratio_exists_query": 0.996, "paired_ratio_exists_query": paired}}
     md = "\n".join(report.suite_section("vllm", record))
     assert "| kvmove save returns | 0.30 | - |" in md and "| vLLM save returns | 0.03 | - |" in md
+    assert "| kvmove load returns | 0.20 | - |" in md and "| vLLM load returns | 0.04 | - |" in md
+    assert "load inside the step (the connector with `load_async` off): 1.00x" in md
     assert f"| kvmove save | 25.00 | {(128 << 20) / 0.025 / 1e9:.2f} |" in md
     assert "save of new blocks, without the exists query): save 1.00x, load 0.98x" in md
     assert "with the exists query first (blocks not known to be new): 1.00x, paired 1.00x " \

@@ -9,7 +9,11 @@ One vLLM block is one kvmove row (one page of one token): the KV cache is descri
 ``kvmove.KVCache`` over vLLM's per-layer block regions (:mod:`.layout`), keys are vLLM's
 own (:mod:`.keys`), and a ``kvmove.KVMover`` with raw keys gathers + puts on save and gets
 + scatters on load. ``kv_connector_extra_config`` accepts ``cache_prefix`` (as vLLM's),
-``layerwise`` (default true: loads land layer by layer inside the forward; false: the whole
+``load_async`` (default true, as vLLM's: a request with a store hit waits for its blocks
+while the engine steps on with the rest of the batch, and is scheduled once every worker
+has them; a block whose load failed is recomputed; false: the load runs inside the step
+that schedules the request, and holds that step), ``layerwise`` (loads that are not
+asynchronous; default true: they land layer by layer inside the forward; false: the whole
 load ends in ``start_load_kv``), ``staging_bytes`` (default 1 GiB of staging) and ``path``
 (``"auto"``, default: saves and loads move the blocks in place, with no staging copy, where
 the store reaches vLLM's KV memory and that measures faster, as vLLM's own connector does;
@@ -70,8 +74,10 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Layer-wise loads wait inside the forward, between graph pieces.
-        return str((extra_config or {}).get("layerwise", "true")).lower() == "true"
+        # Synchronous layer-wise loads wait inside the forward, between graph pieces.
+        extra = extra_config or {}
+        return (str(extra.get("layerwise", "true")).lower() == "true"
+                and str(extra.get("load_async", "true")).lower() != "true")
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -92,6 +98,10 @@ class KVMoveConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self):
         return self._side.done_saves()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Saves hold their blocks themselves (request_finished frees at once): no sends.
+        return None, (self._side.finished_loads() or None)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._side.take_load_errors()
 
@@ -100,7 +110,8 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self._side.matched_tokens(request, num_computed_tokens), False
+        hit = self._side.matched_tokens(request, num_computed_tokens)
+        return hit, self.plan.load_async and hit > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._side.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
@@ -113,6 +124,8 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         self._side.saves_done(connector_output.kv_connector_worker_meta)
+        self._side.loads_done(connector_output.finished_recving,
+                              connector_output.invalid_block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._side.holds_blocks()

@@ -42,8 +42,12 @@ class ConnectorPlan:
     can_load: bool
     can_save: bool
     save_decode: bool  # also save blocks completed during decode (vLLM's save_decode_cache)
-    layerwise: bool
+    layerwise: bool  # synchronous loads land layer by layer inside the forward
     staging_bytes: int
+    # loads run in the background while the engine steps on; the request waits for its
+    # blocks (vLLM's WAITING_FOR_REMOTE_KVS) and is scheduled once they are in, as vLLM's
+    # own connector does (its load_async, default true). Off: a load ends in its step.
+    load_async: bool
     path: str = "auto"  # KVMover's path: "auto" (measured per direction), "staged", "in_place"
     # EAGLE-like speculative decoding: a store hit gives up its last block, as vLLM's prefix
     # cache and its connector do (that block's draft KV was made with the next token)
@@ -140,6 +144,7 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         or save_decode,
         save_decode=save_decode,
         layerwise=str(extra.get("layerwise", "true")).lower() == "true",
+        load_async=str(extra.get("load_async", "true")).lower() == "true",
         staging_bytes=staging,
         path=path,
         eagle_block_drop=speculative is not None and speculative.use_eagle_block_drop(),

@@ -57,6 +57,8 @@ class SchedulerSide:
         self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
         self._absent: dict[str, tuple[int, int]] = {}  # req -> blocks its lookup did not find
         self._reqs: dict[str, _Request] = {}
+        self._loading: dict[str, BlockTransfer] = {}  # req -> its asynchronous load in flight
+        self._failed_from: dict[str, int] = {}  # req -> first block whose async load failed
         self.workers = workers
         self.hold_blocks = hold_blocks  # False: saves wait for their puts instead
         self._pool = None  # vLLM's block pool, once bound
@@ -103,9 +105,25 @@ class SchedulerSide:
         that the workers' reports reach this side)."""
         return bool(self._held)
 
+    def loads_done(self, finished: set[str] | None, invalid: set[int] | None) -> None:
+        """Note where each asynchronous load failed (vLLM's ``invalid_block_ids``) and which
+        loads ended (``finished_recving``). A request whose load failed at its first block
+        goes back to vLLM's queue with nothing computed and is looked up again: that
+        lookup's hit stops before the failed block, or it would load the same failing
+        object (wrong-sized, unreadable) again, and again."""
+        if invalid:
+            for req_id, load in self._loading.items():
+                bad = [i for i, b in enumerate(load.block_ids) if b in invalid]
+                if bad:
+                    at = load.first_block + bad[0]
+                    self._failed_from[req_id] = min(at, self._failed_from.get(req_id, at))
+        for req_id in finished or ():
+            self._loading.pop(req_id, None)
+
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
         plan = self.plan
         self._absent.pop(request.request_id, None)  # an earlier lookup's answer is stale now
+        failed_from = self._failed_from.pop(request.request_id, None)
         if not plan.can_load:
             return 0
         bs = plan.block_size
@@ -130,6 +148,8 @@ class SchedulerSide:
         self._absent[request.request_id] = (int(held[-1]) + 1 if held.size else 0, n)
         if plan.eagle_block_drop and hit:  # as vLLM's lookups: the last block is dropped
             hit -= 1
+        if failed_from is not None:  # its last load failed there: not again
+            hit = min(hit, failed_from)
         hit_tokens = hit * bs
         if hit_tokens >= request.num_tokens:  # vLLM computes at least the last token
             hit_tokens = (request.num_tokens - 1) // bs * bs
@@ -140,8 +160,12 @@ class SchedulerSide:
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         computed, hit = self._pending.pop(request.request_id, (0, 0))
-        state = _Request(request, list(block_ids), saved_blocks=0,
-                         absent=self._absent.pop(request.request_id, None))
+        # Scheduled once its asynchronous load ended, a request is allocated again with no
+        # lookup in between: its lookup's answer still holds.
+        earlier = self._reqs.get(request.request_id)
+        absent = self._absent.pop(request.request_id,
+                                  earlier.absent if earlier is not None else None)
+        state = _Request(request, list(block_ids), saved_blocks=0, absent=absent)
         if num_external_tokens > 0:
             bs = self.plan.block_size
             first, end = computed // bs, hit // bs
@@ -185,6 +209,15 @@ class SchedulerSide:
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        if self.plan.load_async:
+            # A request whose load is asynchronous is not scheduled in the step that loads
+            # it: it waits for its blocks (WAITING_FOR_REMOTE_KVS) while the workers get
+            # them in the background, and is scheduled once they all reported it finished.
+            for req_id, state in self._reqs.items():
+                if state.load is not None:
+                    meta.loads.append(state.load)
+                    self._loading[req_id] = state.load
+                    state.load = None
         for req_id in out.finished_req_ids:
             self.forget(req_id)
         self._hold_saves(meta)
@@ -210,6 +243,8 @@ class SchedulerSide:
         self._reqs.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._absent.pop(req_id, None)
+        self._loading.pop(req_id, None)
+        self._failed_from.pop(req_id, None)
 
     # The worker-side methods are not called on this side.
     def close(self) -> None:

@@ -77,7 +77,9 @@ class WorkerSide:
         self.mover: kvmove.KVMover | None = None
         self.views: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
-        self._loads: list[tuple[kvmove.Transfer, list[int]]] = []
+        self._loads: list[tuple[kvmove.Transfer, list[int]]] = []  # layer-wise, this step
+        # asynchronous loads in flight: a step's prefetches and the requests they load
+        self._recving: list[tuple[list[tuple[kvmove.Transfer, list[int]]], set[str]]] = []
         self._saves: list[kvmove.Transfer] = []
         self._save_jobs: list[tuple[int, kvmove.Transfer | None]] = []  # not reported yet
         self._load_errors: set[int] = set()
@@ -97,25 +99,73 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------
     def start_load(self, meta: KVMoveConnectorMetadata) -> None:
-        if not meta.loads or self.mover is None:
+        """Start the step's loads. Synchronous (``plan.load_async`` off): layer by layer
+        (``wait_for_layer``) or whole, ended here. Asynchronous: in the background, each
+        request reported by :meth:`finished_loads` once its blocks are in (or failed)."""
+        if not meta.loads:
             return
-        keys = [self.key_prefix + h for t in meta.loads for h in t.keys]
-        block_ids = [b for t in meta.loads for b in t.block_ids]
-        # A prefetch's keys are unique, but two requests with the same prefix (vLLM's prefix
-        # cache off) load the same key into blocks of their own: one prefetch per round.
-        loads = []
-        for positions in unique_rounds(keys):
-            ids = [block_ids[i] for i in positions]
-            pages = block_pages(ids)
-            # More blocks than staging slots run in staging-sized pieces inside the mover.
-            transfer = self.mover.prefetch([keys[i] for i in positions], pages,
-                                           layerwise=self.plan.layerwise)
-            loads.append((transfer, ids))
+        if self.plan.load_async:
+            self._start_async(meta)
+            return
+        if self.mover is None:  # nothing can land: vLLM recomputes the blocks
+            self._load_errors.update(b for t in meta.loads for b in t.block_ids)
+            return
+        loads = self._prefetch(meta, layerwise=self.plan.layerwise)
         if self.plan.layerwise:
             self._loads.extend(loads)
         else:
             for transfer, ids in loads:
                 self._finish_load(transfer, ids)
+
+    def _prefetch(self, meta: KVMoveConnectorMetadata, *, layerwise: bool
+                  ) -> list[tuple[kvmove.Transfer, list[int]]]:
+        """One prefetch per round of unique keys of the step's loads (a prefetch's keys are
+        unique, but two requests with the same prefix, vLLM's prefix cache off, load the
+        same key into blocks of their own)."""
+        keys = [self.key_prefix + h for t in meta.loads for h in t.keys]
+        block_ids = [b for t in meta.loads for b in t.block_ids]
+        loads = []
+        for positions in unique_rounds(keys):
+            ids = [block_ids[i] for i in positions]
+            # More blocks than staging slots run in staging-sized pieces inside the mover.
+            transfer = self.mover.prefetch([keys[i] for i in positions], block_pages(ids),
+                                           layerwise=layerwise)
+            loads.append((transfer, ids))
+        return loads
+
+    def _start_async(self, meta: KVMoveConnectorMetadata) -> None:
+        """Start the step's loads in the background. A load that cannot start fails its
+        blocks (vLLM recomputes them): its requests are reported finished all the same, or
+        they would wait for their blocks forever."""
+        reqs = {t.req_id for t in meta.loads}
+        try:
+            if self.mover is None:
+                raise kvmove.KVMoveError("no KV cache registered")
+            loads = self._prefetch(meta, layerwise=False)
+        except Exception as e:
+            blocks = [b for t in meta.loads for b in t.block_ids]
+            log.warning("kvmove connector: %d blocks not loaded (%s); vLLM recomputes them",
+                        len(blocks), e)
+            self._load_errors.update(blocks)
+            self._recving.append(([], reqs))
+            return
+        self._recving.append((loads, reqs))
+
+    def finished_loads(self) -> set[str]:
+        """The requests whose asynchronous loads have ended since the last call: their
+        blocks are in vLLM's KV cache (on CUDA, the engine's current stream waits for the
+        scatter), or failed, reported by :meth:`take_load_errors` from now on."""
+        finished: set[str] = set()
+        left = []
+        for loads, reqs in self._recving:
+            if all(t.done() and t.scattered.query() for t, _ in loads):
+                for transfer, ids in loads:
+                    self._finish_load(transfer, ids)
+                finished |= reqs
+            else:
+                left.append((loads, reqs))
+        self._recving = left
+        return finished
 
     def wait_for_layer(self, layer_name: str) -> None:
         if not self._loads:
@@ -127,7 +177,12 @@ class WorkerSide:
             transfer.wait_layer(layer)
 
     def _finish_load(self, transfer: kvmove.Transfer, block_ids: list[int]) -> None:
-        statuses = transfer.wait()
+        try:
+            statuses = transfer.wait()
+        except Exception as e:  # never the step: the blocks are recomputed
+            log.warning("kvmove connector: a load of %d blocks failed: %r", len(block_ids), e)
+            self._load_errors.update(block_ids)
+            return
         transfer.scattered.wait()  # CUDA: vLLM's stream runs after the scatter
         failed = [b for b, s in zip(block_ids, statuses, strict=True) if s is not kvmove.Status.OK]
         if failed:
@@ -222,6 +277,10 @@ class WorkerSide:
     def close(self) -> None:
         if self.mover is not None:
             self._finish_loads()
+            for loads, _ in self._recving:  # the rows must not be written after this
+                for transfer, ids in loads:
+                    self._finish_load(transfer, ids)
+            self._recving = []
             self._reap_saves(wait=True)
             self.mover.close()
             self.mover = None

@@ -4,8 +4,8 @@ file ``$KVMOVE_TEST_FAULTS`` (read at every load): ``{"mode": "none" | "zeros" |
 change); ``remove`` deletes the last block's object of every load from the store before the
 get (a missing object); ``kill`` kills the Mooncake master (pid ``$KVMOVE_TEST_MASTER_PID``)
 before the get; ``kill_holder:N`` SIGKILLs the N-th store node of ``$KVMOVE_TEST_HOLDER_PIDS``
-(comma-separated pids) before the get. Load errors are appended to ``$KVMOVE_TEST_EVENTS`` as
-JSON lines."""
+(comma-separated pids) before the get. Load errors, and requests whose asynchronous load
+finished, are appended to ``$KVMOVE_TEST_EVENTS`` as JSON lines."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ class FaultyKVMoveConnector(KVMoveConnector):
             with contextlib.suppress(ProcessLookupError):  # killed at an earlier load
                 os.kill(int(pids[int(mode.partition(":")[2])]), signal.SIGKILL)
         super().start_load_kv(forward_context, **kwargs)
-        if mode == "zeros":  # this engine loads whole-cache: the load has ended here
+        if mode == "zeros":  # loads whole-cache, not asynchronous: the load has ended here
+            assert not side.plan.load_async and not side.plan.layerwise
             ids = [b for t in meta.loads for b in t.block_ids]
             for view in side.views:
                 view[ids] = 0
@@ -55,3 +56,9 @@ class FaultyKVMoveConnector(KVMoveConnector):
         if errors:
             _event(mode=_mode(), load_errors=len(errors))
         return errors
+
+    def get_finished(self, finished_req_ids):
+        sending, recving = super().get_finished(finished_req_ids)
+        if recving:
+            _event(mode=_mode(), finished_recving=len(recving))
+        return sending, recving

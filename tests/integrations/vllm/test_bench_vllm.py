@@ -25,11 +25,13 @@ def test_bench_vllm_small(tmp_path):
     assert v["blocks"] == 8 and v["object_bytes"] == 2 * 2 * 16 * 2 * 64 * 2
     assert set(v["median_s"]) == {
         "kvmove save", "kvmove save (exists query)", "vLLM save", "vLLM save (inline)",
-        "kvmove save returns", "vLLM save returns", "kvmove load", "kvmove load (layer-wise)",
-        "vLLM load", "vLLM load (inline)"}
+        "kvmove save returns", "vLLM save returns", "kvmove load", "kvmove load (in the step)",
+        "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)", "kvmove load returns",
+        "vLLM load returns"}
     assert all(s > 0 for s in v["median_s"].values())
-    for ratio in ("save_ratio", "load_ratio", "save_ratio_exists_query"):
+    for ratio in ("save_ratio", "load_ratio", "load_ratio_in_step", "save_ratio_exists_query"):
         assert v[ratio] > 0
     assert v["kvmove_path"]["save"] in ("staged", "in_place")
     md = "\n".join(report.suite_section("vllm", result))
     assert "| kvmove save returns |" in md and "kvmove's save with the exists query" in md
+    assert "| kvmove load returns |" in md and "kvmove's load inside the step" in md

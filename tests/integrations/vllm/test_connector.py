@@ -44,11 +44,12 @@ def connector_env(store, tmp_path, monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
 
 
-def plan_for(path: str = "staged", layerwise: bool = True) -> ConnectorPlan:
+def plan_for(path: str = "staged", layerwise: bool = True,
+             load_async: bool = False) -> ConnectorPlan:
     return ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("tiny"),
                          tp_size=1, pp_size=1, replication=1, can_load=True, can_save=True,
-                         save_decode=False, layerwise=layerwise, staging_bytes=1 << 20,
-                         path=path)
+                         save_decode=False, layerwise=layerwise, load_async=load_async,
+                         staging_bytes=1 << 20, path=path)
 
 
 def caches(seed: int, zero: bool = False) -> list[torch.Tensor]:
@@ -278,8 +279,8 @@ def test_the_absent_blocks_are_those_no_namespace_holds_past_the_last_held():
     request that does not reach the store leaves no answer behind."""
     plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("tp2"),
                          tp_size=2, pp_size=1, replication=1, can_load=True, can_save=True,
-                         save_decode=False, layerwise=False, staging_bytes=1 << 20,
-                         path="staged")
+                         save_decode=False, layerwise=False, load_async=False,
+                         staging_bytes=1 << 20, path="staged")
     assert len(plan.lookup_namespaces()) == 2
     sched = SchedulerSide(plan)
     try:
@@ -344,18 +345,17 @@ def test_an_eagle_hit_gives_up_its_last_block():
             sched.close()
 
 
-@pytest.mark.parametrize("eagle", [None, True, False])
-def test_the_plan_follows_vllms_eagle_block_drop(eagle):
+def plan_of(extra: dict, speculative=None) -> ConnectorPlan:
+    """``plan_from_vllm`` of a one-group full-attention model at TP 1 with the connector's
+    ``kv_connector_extra_config`` ``extra``."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvmove.integrations.vllm.plan import plan_from_vllm
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
                              dtype=torch.bfloat16)
-    speculative = None if eagle is None else SimpleNamespace(
-        use_eagle_block_drop=lambda: eagle)  # vLLM's method: EAGLE-like, drop not disabled
     vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_both"),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
                                         prefill_context_parallel_size=1,
                                         decode_context_parallel_size=1),
@@ -364,7 +364,155 @@ def test_the_plan_follows_vllms_eagle_block_drop(eagle):
         speculative_config=speculative)
     kv_cache_config = SimpleNamespace(hisparse_host_num_blocks=None, kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=spec, layer_names=NAMES)])
-    assert plan_from_vllm(vllm_config, kv_cache_config).eagle_block_drop is bool(eagle)
+    return plan_from_vllm(vllm_config, kv_cache_config)
+
+
+@pytest.mark.parametrize("eagle", [None, True, False])
+def test_the_plan_follows_vllms_eagle_block_drop(eagle):
+    speculative = None if eagle is None else SimpleNamespace(
+        use_eagle_block_drop=lambda: eagle)  # vLLM's method: EAGLE-like, drop not disabled
+    assert plan_of({}, speculative).eagle_block_drop is bool(eagle)
+
+
+@pytest.mark.parametrize(("extra", "load_async", "piecewise"), [
+    ({}, True, False),  # vLLM's default: asynchronous loads, nothing waits in the forward
+    ({"load_async": True}, True, False),
+    ({"load_async": "false"}, False, True),  # layer-wise loads wait between graph pieces
+    ({"load_async": False, "layerwise": "false"}, False, False),
+])
+def test_loads_are_asynchronous_unless_configured_off(extra, load_async, piecewise):
+    from kvmove.integrations.vllm import KVMoveConnector
+
+    assert plan_of(extra).load_async is load_async
+    assert KVMoveConnector.requires_piecewise_for_cudagraph(extra) is piecewise
+
+
+def test_an_asynchronous_load_is_scheduled_while_its_request_waits():
+    """With asynchronous loads vLLM does not schedule a request with a store hit in the
+    step that allocates its blocks (it waits in WAITING_FOR_REMOTE_KVS): that step's
+    metadata carries its load all the same, once. Scheduled after the load (allocated
+    again, with no lookup in between), it loads nothing more and saves its blocks from the
+    first; a later save of blocks its lookup found absent still goes without the query."""
+    plan = plan_for(load_async=True)
+    hashes = block_hashes("async-sched", 4)
+    keys = [h.hex() for h in hashes]
+    with worker_side(plan, caches(seed=11)) as w:  # blocks 0 and 1 are stored
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys[:2], [1, 2], 0)]))
+    sched = SchedulerSide(plan)
+    try:
+        req = request("a", hashes, 4 * BS + 1)
+        assert sched.matched_tokens(req, 0) == 2 * BS
+        sched.after_alloc(req, [5, 6], 2 * BS)  # the hit's blocks
+        other = sched.build_meta(output([new_request("o", [0], 0)], scheduled={"o": 7}))
+        assert transfers(other.loads) == [(keys[:2], [5, 6])] and other.saves == []
+        assert sched.build_meta(output()).loads == []  # once
+        sched.after_alloc(req, [5, 6, 7, 8, 9], 0)  # its load ended: vLLM schedules it
+        first = sched.build_meta(output([new_request("a", [5, 6, 7, 8, 9], 2 * BS)],
+                                        scheduled={"a": 1}))
+        later = sched.build_meta(output(cached=cached_request("a", None, 2 * BS + 1,
+                                                              resumed=False),
+                                        scheduled={"a": 2 * BS}))
+    finally:
+        sched.close()
+    assert first.loads == [] and later.loads == []
+    assert [(t.first_block, t.block_ids, t.absent_at_lookup) for t in first.saves] == \
+        [(0, [5, 6], False)]
+    assert [(t.first_block, t.block_ids, t.absent_at_lookup) for t in later.saves] == \
+        [(2, [7, 8], True)]
+
+
+@pytest.mark.parametrize(("failed", "hit_after"), [(0, 0), (1, 1), (None, 3)])
+def test_a_lookup_after_a_failed_asynchronous_load_stops_before_the_failed_block(failed,
+                                                                                hit_after):
+    """A request whose asynchronous load failed at its first block goes back to vLLM's queue
+    with nothing computed and is looked up again: that hit stops before the failed block
+    (else it would load the same failing object forever); once only (a later lookup sees
+    the store again). A load that ended well changes nothing."""
+    plan = plan_for(load_async=True)
+    hashes = block_hashes(f"async-retry-{failed}", 3)
+    keys = [h.hex() for h in hashes]
+    with worker_side(plan, caches(seed=16)) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys, [1, 2, 3], 0)]))
+    sched = SchedulerSide(plan)
+    try:
+        req = request("r", hashes, 3 * BS + 1)
+        assert sched.matched_tokens(req, 0) == 3 * BS
+        sched.after_alloc(req, [9, 7, 5], 3 * BS)
+        meta = sched.build_meta(output())
+        assert transfers(meta.loads) == [(keys, [9, 7, 5])]
+        invalid = {[9, 7, 5][failed], 5} if failed is not None else set()
+        sched.loads_done(set(), invalid)  # vLLM may report errors before the request
+        sched.loads_done({"r"}, set())
+        sched.loads_done(set(), {9, 7, 5})  # blocks of a load that ended: not this one's
+        assert sched.matched_tokens(req, 0) == hit_after * BS
+        assert sched.matched_tokens(req, 0) == 3 * BS
+    finally:
+        sched.close()
+
+
+def finish_async(side: WorkerSide, timeout: float = 30.0) -> list[tuple[set[str], set[int]]]:
+    """Poll a worker's asynchronous loads as vLLM does after each step (``get_finished``,
+    then ``get_block_ids_with_load_errors``) until none is in flight: per poll that
+    finished a request, the requests and the load errors reported in that pass."""
+    passes, deadline = [], time.monotonic() + timeout
+    while side._recving:
+        assert time.monotonic() < deadline, "asynchronous loads did not finish"
+        finished, errors = side.finished_loads(), side.take_load_errors()
+        assert finished or not errors  # errors come with (or before) their request
+        if finished:
+            passes.append((finished, errors))
+        time.sleep(0.002)
+    return passes
+
+
+@pytest.mark.parametrize("path", ["staged", "in_place"])
+def test_asynchronous_loads_finish_with_their_blocks_in(path):
+    """An asynchronous load returns at once (nothing waits in the forward); its requests are
+    reported finished once their blocks are in the KV cache, and a block that failed is
+    reported in that same pass, never after."""
+    plan = plan_for(path, load_async=True)
+    hashes = block_hashes(f"async-load-{path}", 3)
+    keys = [h.hex() for h in hashes]
+    src = caches(seed=12)
+    with worker_side(plan, src) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys, [1, 2, 3], 0)]))
+    missing = block_hashes(f"async-missing-{path}", 1)[0].hex()
+    dst = caches(seed=13, zero=True)
+    meta = KVMoveConnectorMetadata(loads=[BlockTransfer("a", keys, [8, 9, 10]),
+                                          BlockTransfer("b", [keys[0], missing], [11, 12])])
+    with worker_side(plan, dst) as w:
+        w.start_load(meta)
+        assert w._loads == []  # nothing for wait_for_layer
+        assert finish_async(w) == [({"a", "b"}, {12})]
+        assert w.finished_loads() == set() and w.take_load_errors() == set()
+    saved = [block_bytes(src, b) for b in (1, 2, 3)]
+    assert [block_bytes(dst, b) for b in (8, 9, 10, 11)] == [*saved, saved[0]]
+    assert block_bytes(dst, 12) == bytes(len(saved[0]))
+
+
+@pytest.mark.parametrize("where", ["start", "background", "no cache"])
+def test_an_asynchronous_load_that_fails_still_finishes_its_requests(where, monkeypatch):
+    """A load that cannot start, whose background job raises, or that has no KV cache to
+    land in fails all its blocks (vLLM recomputes them) and still reports its requests
+    finished: a request is never left waiting for its blocks."""
+    plan = plan_for(load_async=True)
+    keys = [h.hex() for h in block_hashes(f"async-fail-{where}", 3)]
+    with worker_side(plan, caches(seed=14)) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys, [1, 2, 3], 0)]))
+    dst = caches(seed=15, zero=True)
+    with worker_side(plan, dst) as w:
+        if where == "start":
+            monkeypatch.setattr(w.mover, "prefetch", lambda *a, **k: 1 / 0)
+        elif where == "background":
+            monkeypatch.setattr(w.mover, "_get_piece", lambda *a, **k: 1 / 0)
+        else:
+            mover, w.mover = w.mover, None
+        w.start_load(KVMoveConnectorMetadata(loads=[BlockTransfer("a", keys[:2], [4, 5]),
+                                                    BlockTransfer("b", keys[2:], [6])]))
+        assert finish_async(w) == [({"a", "b"}, {4, 5, 6})]
+        if where == "no cache":
+            w.mover = mover
+    assert all(block_bytes(dst, b) == bytes(len(block_bytes(dst, b))) for b in (4, 5, 6))
 
 
 @pytest.mark.parametrize("path,layerwise", [("staged", True), ("in_place", False)])
@@ -506,7 +654,7 @@ def test_replicated_ranks_save_each_block_once(monkeypatch, replication):
     tp = 4
     plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("ds"),
                          tp_size=tp, pp_size=1, replication=replication, can_load=True,
-                         can_save=True, save_decode=False, layerwise=False,
+                         can_save=True, save_decode=False, layerwise=False, load_async=False,
                          staging_bytes=1 << 20, path="staged")
     hashes = block_hashes(f"tp-{replication}", 7)
     block_ids = [9, 3, 7, 1, 12, 5, 0, 2]
@@ -570,8 +718,8 @@ def test_a_save_without_staging_slots_is_skipped_not_raised(monkeypatch, caplog)
 
     plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("ds"),
                          tp_size=1, pp_size=1, replication=1, can_load=True, can_save=True,
-                         save_decode=False, layerwise=False, staging_bytes=1 << 20,
-                         path="staged")
+                         save_decode=False, layerwise=False, load_async=False,
+                         staging_bytes=1 << 20, path="staged")
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
         rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))

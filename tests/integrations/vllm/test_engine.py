@@ -1,13 +1,17 @@
-"""End to end with real vLLM engines on a tiny seeded Llama, five engine starts, each check on
+"""End to end with real vLLM engines on a tiny seeded Llama, six engine starts, each check on
 the runs it needs:
 
 1. no connector: the reference outputs;
 2. A, kvmove's connector: computes and saves p1 and the fault groups;
-3. B, a fresh kvmove engine (empty prefix cache): loads p1, layer by layer;
+3. B, a fresh kvmove engine (empty prefix cache) with synchronous loads: loads p1, layer by
+   layer;
 4. V, vLLM's own MooncakeStoreConnector: loads p1 (kvmove's objects), computes and saves p2;
-5. C, kvmove's connector with faults injected, loading whole-cache: p2 (vLLM's objects),
-   then zeros in place of the stored blocks (the outputs change), a missing object and a
-   killed master (vLLM recomputes: the outputs of the run without a connector).
+5. D, kvmove's connector as configured by default (asynchronous loads), faults injected:
+   loads p1 while its requests wait, then a group with a missing object (vLLM recomputes
+   it: the outputs of the run without a connector);
+6. C, kvmove's connector with faults injected, loading whole-cache in the step: p2 (vLLM's
+   objects), then zeros in place of the stored blocks (the outputs change), a missing object
+   and a killed master (vLLM recomputes: the outputs of the run without a connector).
 
 A fresh engine that reports ``num_cached_tokens`` > 0 on prompts it has never seen got them
 from the store. A run that dies keeps the phases it finished; later runs start regardless.
@@ -24,9 +28,11 @@ pytestmark = pytest.mark.engine
 PROMPT_TOKENS = 100
 LOADED = PROMPT_TOKENS // BLOCK * BLOCK  # full blocks are stored and loaded
 
-FAULTY = {**KVMOVE, "kv_role": "kv_consumer", "kv_connector": "FaultyKVMoveConnector",
-          "kv_connector_module_path": "tests.integrations.vllm.fault_connector",
-          "kv_connector_extra_config": {"layerwise": "false"}}
+FAULTY_ASYNC = {**KVMOVE, "kv_role": "kv_consumer", "kv_connector": "FaultyKVMoveConnector",
+                "kv_connector_module_path": "tests.integrations.vllm.fault_connector"}
+FAULTY = {**FAULTY_ASYNC,
+          "kv_connector_extra_config": {"load_async": "false", "layerwise": "false"}}
+SYNC_LAYERWISE = {**KVMOVE, "kv_connector_extra_config": {"load_async": "false"}}
 
 
 # float32 engines: run to run, logprobs move by ~1e-6 (reduction order); zeros in place of
@@ -59,7 +65,7 @@ def writer(engines, prompts):
 
 @pytest.fixture(scope="module")
 def reader(engines, prompts, writer):
-    return engines.run(KVMOVE, [{"name": "p1", "prompts": prompts["p1"]}])
+    return engines.run(SYNC_LAYERWISE, [{"name": "p1", "prompts": prompts["p1"]}])
 
 
 @pytest.fixture(scope="module")
@@ -69,24 +75,36 @@ def vllm_engine(engines, prompts, writer):
 
 
 @pytest.fixture(scope="module")
-def faulty(engines, prompts, writer, vllm_engine):
+def async_loads(engines, prompts, writer):
+    start = len(engines.events_log())
+    run = engines.run(FAULTY_ASYNC, [
+        {"name": "p1", "prompts": prompts["p1"], "faults": "none"},
+        {"name": "async_remove", "prompts": prompts["async_remove"], "faults": "remove"}])
+    run.events = engines.events_log()[start:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def faulty(engines, prompts, writer, vllm_engine, async_loads):
+    # after async_loads: this run kills the master
+    start = len(engines.events_log())
     phases = [{"name": "p2", "prompts": prompts["p2"], "faults": "none"}]
     phases += [{"name": n, "prompts": prompts[n], "faults": n}
                for n in ("zeros", "remove", "kill")]  # kill last: the master is gone after
     run = engines.run(FAULTY, phases)
-    run.events = engines.events_log()
+    run.events = engines.events_log()[start:]
     return run
 
 
 def test_outputs_depend_on_the_kv_cache(baseline):
     # Random weights: distinct prompts give distinct outputs, far from uniform logits.
     outs = [tuple(r["token_ids"]) for g in baseline.results.values() for r in g]
-    assert len(outs) == 10 and len(set(outs)) == len(outs), baseline.error
+    assert len(outs) == 12 and len(set(outs)) == len(outs), baseline.error
     assert max(lp for g in baseline.results.values() for r in g for lp in r["logprobs"]) > -5
 
 
 def test_writer_outputs_equal_no_connector(baseline, writer):
-    for name in ("p1", "zeros", "remove", "kill"):
+    for name in ("p1", "zeros", "remove", "kill", "async_remove"):
         assert cached(writer[name]) == [0, 0], name
         assert same(writer[name], baseline[name]), name
     assert writer.error is None
@@ -96,6 +114,24 @@ def test_fresh_engine_loads_kvmove_objects(baseline, writer, reader):
     assert cached(reader["p1"]) == [LOADED, LOADED]
     assert same(reader["p1"], baseline["p1"])
     assert reader.error is None
+
+
+def test_asynchronous_loads_land_while_the_requests_wait(baseline, async_loads):
+    assert cached(async_loads["p1"]) == [LOADED, LOADED]
+    assert same(async_loads["p1"], baseline["p1"])
+    none = [e for e in async_loads.events if e["mode"] == "none"]
+    assert sum(e.get("finished_recving", 0) for e in none) == 2, async_loads.events
+    assert not any(e.get("load_errors") for e in none)
+
+
+def test_a_failed_asynchronous_load_is_recomputed(baseline, async_loads):
+    """The last block of each request's load is missing: reported with the request's
+    finished load, and vLLM recomputes from it."""
+    removed = [e for e in async_loads.events if e["mode"] == "remove"]
+    assert sum(e.get("load_errors", 0) for e in removed) >= 2, async_loads.events
+    assert sum(e.get("finished_recving", 0) for e in removed) == 2
+    assert same(async_loads["async_remove"], baseline["async_remove"])
+    assert async_loads.error is None
 
 
 def test_vllm_connector_reads_kvmove_objects(baseline, writer, vllm_engine):
