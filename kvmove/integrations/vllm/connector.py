@@ -11,10 +11,11 @@ own (:mod:`.keys`), and a ``kvmove.KVMover`` with raw keys gathers + puts on sav
 + scatters on load. ``kv_connector_extra_config`` accepts ``cache_prefix`` (as vLLM's),
 ``load_async`` (default true, as vLLM's: a request with a store hit waits for its blocks
 while the engine steps on with the rest of the batch, and is scheduled once every worker
-has them; a block whose load failed is recomputed; false: the load runs inside the step
-that schedules the request, and holds that step), ``layerwise`` (loads that are not
-asynchronous; default true: they land layer by layer inside the forward; false: the whole
-load ends in ``start_load_kv``), ``staging_bytes`` (default 1 GiB of staging) and ``path``
+has them; a block whose load failed is recomputed; false, and under pipeline parallelism:
+the load runs inside the step that schedules the request, and holds that step),
+``layerwise`` (with ``load_async`` false; default true: loads land layer by layer inside
+the forward; false: the whole load ends in ``start_load_kv``), ``staging_bytes`` (default
+1 GiB of staging) and ``path``
 (``"auto"``, default: saves and loads move the blocks in place, with no staging copy, where
 the store reaches vLLM's KV memory and that measures faster, as vLLM's own connector does;
 ``"staged"``; ``"in_place"``). A save does not hold the engine's step: the scheduler side

@@ -118,6 +118,7 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         raise _refuse(f"block size {block_size} is not a multiple of the hash block size "
                       f"{hash_block_size}")
     role = ktc.kv_role
+    load_async = str(extra.get("load_async", "true")).lower() == "true"
     save_decode = str(extra.get("save_decode_cache", "false")).lower() == "true"
     staging = extra.get("staging_bytes", DEFAULT_STAGING_BYTES)
     if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
@@ -143,8 +144,13 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         can_save=role in ("kv_producer", "kv_both")
         or save_decode,
         save_decode=save_decode,
-        layerwise=str(extra.get("layerwise", "true")).lower() == "true",
-        load_async=str(extra.get("load_async", "true")).lower() == "true",
+        # An asynchronous load is over once every worker reported it; with pipeline
+        # parallelism the stages before the last may report nothing (see the connector's
+        # _save_reports): their loads run inside the step instead, whole, before the
+        # forward (requires_piecewise_for_cudagraph sees the extra config only: where loads
+        # were asked to be asynchronous, none waits inside the forward).
+        layerwise=str(extra.get("layerwise", "true")).lower() == "true" and not load_async,
+        load_async=load_async and par.pipeline_parallel_size == 1,
         staging_bytes=staging,
         path=path,
         eagle_block_drop=speculative is not None and speculative.use_eagle_block_drop(),

@@ -345,9 +345,9 @@ def test_an_eagle_hit_gives_up_its_last_block():
             sched.close()
 
 
-def plan_of(extra: dict, speculative=None) -> ConnectorPlan:
-    """``plan_from_vllm`` of a one-group full-attention model at TP 1 with the connector's
-    ``kv_connector_extra_config`` ``extra``."""
+def plan_of(extra: dict, speculative=None, pp: int = 1) -> ConnectorPlan:
+    """``plan_from_vllm`` of a one-group full-attention model at TP 1 and PP ``pp`` with the
+    connector's ``kv_connector_extra_config`` ``extra``."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvmove.integrations.vllm.plan import plan_from_vllm
@@ -356,7 +356,7 @@ def plan_of(extra: dict, speculative=None) -> ConnectorPlan:
                              dtype=torch.bfloat16)
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=pp,
                                         prefill_context_parallel_size=1,
                                         decode_context_parallel_size=1),
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, model="org/tiny"),
@@ -374,17 +374,22 @@ def test_the_plan_follows_vllms_eagle_block_drop(eagle):
     assert plan_of({}, speculative).eagle_block_drop is bool(eagle)
 
 
-@pytest.mark.parametrize(("extra", "load_async", "piecewise"), [
+@pytest.mark.parametrize(("extra", "load_async", "layerwise"), [
     ({}, True, False),  # vLLM's default: asynchronous loads, nothing waits in the forward
-    ({"load_async": True}, True, False),
+    ({"load_async": True, "layerwise": "true"}, True, False),
     ({"load_async": "false"}, False, True),  # layer-wise loads wait between graph pieces
     ({"load_async": False, "layerwise": "false"}, False, False),
 ])
-def test_loads_are_asynchronous_unless_configured_off(extra, load_async, piecewise):
+def test_loads_are_asynchronous_unless_configured_off(extra, load_async, layerwise):
     from kvmove.integrations.vllm import KVMoveConnector
 
-    assert plan_of(extra).load_async is load_async
-    assert KVMoveConnector.requires_piecewise_for_cudagraph(extra) is piecewise
+    plan = plan_of(extra)
+    assert (plan.load_async, plan.layerwise) == (load_async, layerwise)
+    assert KVMoveConnector.requires_piecewise_for_cudagraph(extra) is layerwise
+    # Pipeline stages before the last may report no finished loads: loads in the step,
+    # and layer-wise only where the graph was split for them.
+    plan = plan_of(extra, pp=2)
+    assert (plan.load_async, plan.layerwise) == (False, layerwise)
 
 
 def test_an_asynchronous_load_is_scheduled_while_its_request_waits():
