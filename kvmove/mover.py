@@ -296,7 +296,7 @@ class KVMover:
 
     # -- public ---------------------------------------------------------------------------
     def evict(self, keys, token_pages, *, valid_tokens=None,
-              detect_exists: bool | None = None) -> Transfer:
+              detect_exists: bool | None = None, wait_for_staging: bool = True) -> Transfer:
         """Gather the pages ``token_pages`` ``[n, page_tokens]`` (``-1`` = padding) into
         staging and put them under ``keys`` in the background. ``valid_tokens`` (an int or
         one per key) stores a partial last page. Returns once the gather is enqueued (CUDA)
@@ -307,7 +307,13 @@ class KVMover:
         ``EXISTS`` (and counts as put in ``stats()``), and keeps its object, unless an
         in-place put of it is given up: Mooncake's ``0`` for it then reads as stored by
         that call, which is removed once it returns (a later ``MISS``, never bytes of two
-        moments). It needs a store whose ``put`` takes it."""
+        moments). It needs a store whose ``put`` takes it. ``wait_for_staging=False``: the
+        call never waits for staging slots on the caller's thread (an engine's step must not
+        wait on other transfers): where the staging lacks slots for its first piece it
+        raises :class:`StagingFull` at once, and the keys of a later piece that finds none
+        end ``FAILED`` (``STAGING_TIMEOUT``)."""
+        if not isinstance(wait_for_staging, bool):
+            raise TypeError(f"wait_for_staging must be a bool, got {wait_for_staging!r}")
         if detect_exists is not None:
             if not isinstance(detect_exists, bool):
                 raise TypeError(f"detect_exists must be None or a bool, got {detect_exists!r}")
@@ -321,16 +327,17 @@ class KVMover:
         if self._evict_rows is not None:
             return self._evict_in_place(call, transfer)
         size = self.staging.num_slots
+        timeout = self.alloc_timeout if wait_for_staging else 0
         for first in range(0, len(call.keys), size):
             piece = call.piece(first, min(len(call.keys), first + size))
             # A later piece that cannot start fails its keys instead of raising: the pieces
             # before it are in flight, and their statuses must reach the caller.
             try:
-                slots = self.staging.alloc(len(piece.keys), timeout=self.alloc_timeout)
+                slots = self.staging.alloc(len(piece.keys), timeout=timeout)
             except StagingFull:
                 if first == 0:
                     raise
-                transfer.add_piece(first, self._unstaged(len(call.keys) - first))
+                transfer.add_piece(first, self._unstaged(len(call.keys) - first, timeout))
                 break
             except Exception as e:
                 if first == 0:
@@ -428,9 +435,8 @@ class KVMover:
                                       else self._prefetch_stream)
         return Call(keys, pages, valid, bad, ordered)
 
-    def _unstaged(self, n: int) -> TransferResult:
-        log.warning("no staging slots came free within %s s: %d keys not moved",
-                    self.alloc_timeout, n)
+    def _unstaged(self, n: int, timeout: float | None) -> TransferResult:
+        log.warning("no staging slots came free within %s s: %d keys not moved", timeout, n)
         return TransferResult([Status.FAILED] * n, [STAGING_TIMEOUT] * n, 0)
 
     def _not_started(self, n: int, error: Exception) -> TransferResult:
@@ -671,7 +677,7 @@ class KVMover:
                 try:
                     slots = self.staging.alloc(last - first, timeout=self.alloc_timeout)
                 except StagingFull:
-                    results.append(self._unstaged(n - first))
+                    results.append(self._unstaged(n - first, self.alloc_timeout))
                     break
                 late = []
                 try:

@@ -5,6 +5,7 @@ misses, layer-wise prefetch, back-pressure, concurrency and close with work in f
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -235,6 +236,38 @@ def test_full_staging_applies_back_pressure_then_raises(make_mover, keyspace):
     mover.alloc_timeout = 10
     assert mover.evict(keyspace(1, "late"), torch.tensor([[0, 1, 2, 3]])).wait(30) == [
         kvmove.Status.OK]
+
+
+def test_an_evict_that_must_not_wait_for_staging_raises_at_once(make_mover, keyspace,
+                                                                monkeypatch):
+    """``wait_for_staging=False``: slots that would come free within the mover's
+    alloc_timeout are not waited for; the first piece raises, a later piece's keys end
+    FAILED (STAGING_TIMEOUT) while the pieces before it are put."""
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    mover = make_mover(kv, staging_slots=2, alloc_timeout=30)
+    held = mover.staging.alloc(2)
+    threading.Timer(0.5, mover.staging.free, args=(held,)).start()
+    with pytest.raises(kvmove.StagingFull):
+        mover.evict(keyspace(1), torch.tensor([[0, 1, 2, 3]]), wait_for_staging=False)
+    with pytest.raises(TypeError, match="wait_for_staging"):
+        mover.evict(keyspace(1), torch.tensor([[0, 1, 2, 3]]), wait_for_staging=0)
+    assert mover.evict(keyspace(1, "waits"), torch.tensor([[0, 1, 2, 3]])).wait(30) == [
+        kvmove.Status.OK]  # the default waits for the slots freed meanwhile
+    # Three keys in pieces of two: the second piece finds the first's slots still held
+    # (its put takes a while).
+    put_job = mover._put_job
+
+    def slow_put(*args):
+        time.sleep(0.5)
+        return put_job(*args)
+
+    monkeypatch.setattr(mover, "_put_job", slow_put)
+    t = mover.evict(keyspace(3, "pieces"), torch.arange(12).reshape(3, 4),
+                    wait_for_staging=False)
+    result = t.result(30)
+    assert result.statuses[:2] == [kvmove.Status.OK] * 2
+    assert result.statuses[2] is kvmove.Status.FAILED
+    assert result.codes[2] == kvmove.status.STAGING_TIMEOUT
 
 
 def test_calls_larger_than_the_staging_run_in_pieces(make_mover, keyspace):

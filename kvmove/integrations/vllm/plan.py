@@ -119,6 +119,11 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
                       f"{hash_block_size}")
     role = ktc.kv_role
     load_async = str(extra.get("load_async", "true")).lower() == "true"
+    # Under external_launcher each rank's scheduler hears its own worker only: with async
+    # loads, ranks would admit a request at different steps, and their batches (and
+    # collectives) part ways. Synchronous loads keep them in lockstep.
+    lockstep = (getattr(par, "distributed_executor_backend", None) == "external_launcher"
+                and getattr(par, "world_size", 1) > 1)
     save_decode = str(extra.get("save_decode_cache", "false")).lower() == "true"
     staging = extra.get("staging_bytes", DEFAULT_STAGING_BYTES)
     if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
@@ -146,11 +151,11 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         save_decode=save_decode,
         # An asynchronous load is over once every worker reported it; with pipeline
         # parallelism the stages before the last may report nothing (see the connector's
-        # _save_reports): their loads run inside the step instead, whole, before the
-        # forward (requires_piecewise_for_cudagraph sees the extra config only: where loads
-        # were asked to be asynchronous, none waits inside the forward).
+        # _save_reports): their loads run inside the step instead (as in lockstep), whole,
+        # before the forward (requires_piecewise_for_cudagraph sees the extra config only:
+        # where loads were asked to be asynchronous, none waits inside the forward).
         layerwise=str(extra.get("layerwise", "true")).lower() == "true" and not load_async,
-        load_async=load_async and par.pipeline_parallel_size == 1,
+        load_async=load_async and par.pipeline_parallel_size == 1 and not lockstep,
         staging_bytes=staging,
         path=path,
         eagle_block_drop=speculative is not None and speculative.use_eagle_block_drop(),

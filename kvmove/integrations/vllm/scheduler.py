@@ -57,6 +57,7 @@ class SchedulerSide:
         self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
         self._absent: dict[str, tuple[int, int]] = {}  # req -> blocks its lookup did not find
         self._reqs: dict[str, _Request] = {}
+        self._to_load: list[str] = []  # reqs allocated for an asynchronous load, not sent
         self._loading: dict[str, BlockTransfer] = {}  # req -> its asynchronous load in flight
         self._failed_from: dict[str, int] = {}  # req -> first block whose async load failed
         self.workers = workers
@@ -108,9 +109,10 @@ class SchedulerSide:
     def loads_done(self, finished: set[str] | None, invalid: set[int] | None) -> None:
         """Note where each asynchronous load failed (vLLM's ``invalid_block_ids``) and which
         loads ended (``finished_recving``). A request whose load failed at its first block
-        goes back to vLLM's queue with nothing computed and is looked up again: that
-        lookup's hit stops before the failed block, or it would load the same failing
-        object (wrong-sized, unreadable) again, and again."""
+        goes back to vLLM's queue with nothing computed and is looked up again: its hit
+        stops before the failed block until vLLM admits it (a lookup may come to nothing:
+        no free blocks, prefills deferred), or it would load the same failing object
+        (wrong-sized, unreadable) again, and again."""
         if invalid:
             for req_id, load in self._loading.items():
                 bad = [i for i, b in enumerate(load.block_ids) if b in invalid]
@@ -123,7 +125,7 @@ class SchedulerSide:
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
         plan = self.plan
         self._absent.pop(request.request_id, None)  # an earlier lookup's answer is stale now
-        failed_from = self._failed_from.pop(request.request_id, None)
+        failed_from = self._failed_from.get(request.request_id)
         if not plan.can_load:
             return 0
         bs = plan.block_size
@@ -160,6 +162,7 @@ class SchedulerSide:
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         computed, hit = self._pending.pop(request.request_id, (0, 0))
+        self._failed_from.pop(request.request_id, None)  # admitted with the shorter hit
         # Scheduled once its asynchronous load ended, a request is allocated again with no
         # lookup in between: its lookup's answer still holds.
         earlier = self._reqs.get(request.request_id)
@@ -174,6 +177,8 @@ class SchedulerSide:
             state.load = BlockTransfer(request.request_id,
                                        [h.hex() for h in hashes],
                                        state.block_ids[first:end], first)
+            if self.plan.load_async:
+                self._to_load.append(request.request_id)
         self._reqs[request.request_id] = state
 
     def build_meta(self, out) -> KVMoveConnectorMetadata:
@@ -209,15 +214,16 @@ class SchedulerSide:
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
-        if self.plan.load_async:
-            # A request whose load is asynchronous is not scheduled in the step that loads
-            # it: it waits for its blocks (WAITING_FOR_REMOTE_KVS) while the workers get
-            # them in the background, and is scheduled once they all reported it finished.
-            for req_id, state in self._reqs.items():
-                if state.load is not None:
-                    meta.loads.append(state.load)
-                    self._loading[req_id] = state.load
-                    state.load = None
+        # A request whose load is asynchronous is not scheduled in the step that loads it:
+        # it waits for its blocks (WAITING_FOR_REMOTE_KVS) while the workers get them in
+        # the background, and is scheduled once they all reported it finished.
+        for req_id in self._to_load:
+            state = self._reqs.get(req_id)
+            if state is not None and state.load is not None:
+                meta.loads.append(state.load)
+                self._loading[req_id] = state.load
+                state.load = None
+        self._to_load.clear()
         for req_id in out.finished_req_ids:
             self.forget(req_id)
         self._hold_saves(meta)

@@ -110,45 +110,42 @@ class WorkerSide:
         if self.mover is None:  # nothing can land: vLLM recomputes the blocks
             self._load_errors.update(b for t in meta.loads for b in t.block_ids)
             return
-        loads = self._prefetch(meta, layerwise=self.plan.layerwise)
+        loads = [(self.mover.prefetch(keys, block_pages(ids), layerwise=self.plan.layerwise),
+                  ids) for keys, ids in self._rounds(meta)]
         if self.plan.layerwise:
             self._loads.extend(loads)
         else:
             for transfer, ids in loads:
                 self._finish_load(transfer, ids)
 
-    def _prefetch(self, meta: KVMoveConnectorMetadata, *, layerwise: bool
-                  ) -> list[tuple[kvmove.Transfer, list[int]]]:
-        """One prefetch per round of unique keys of the step's loads (a prefetch's keys are
-        unique, but two requests with the same prefix, vLLM's prefix cache off, load the
-        same key into blocks of their own)."""
+    def _rounds(self, meta: KVMoveConnectorMetadata) -> list[tuple[list[str], list[int]]]:
+        """The step's loads as rounds of unique keys, one prefetch each (a prefetch's keys
+        are unique, but two requests with the same prefix, vLLM's prefix cache off, load
+        the same key into blocks of their own): per round its keys and block ids. More
+        blocks than staging slots run in staging-sized pieces inside the mover."""
         keys = [self.key_prefix + h for t in meta.loads for h in t.keys]
         block_ids = [b for t in meta.loads for b in t.block_ids]
-        loads = []
-        for positions in unique_rounds(keys):
-            ids = [block_ids[i] for i in positions]
-            # More blocks than staging slots run in staging-sized pieces inside the mover.
-            transfer = self.mover.prefetch([keys[i] for i in positions], block_pages(ids),
-                                           layerwise=layerwise)
-            loads.append((transfer, ids))
-        return loads
+        return [([keys[i] for i in positions], [block_ids[i] for i in positions])
+                for positions in unique_rounds(keys)]
 
     def _start_async(self, meta: KVMoveConnectorMetadata) -> None:
-        """Start the step's loads in the background. A load that cannot start fails its
-        blocks (vLLM recomputes them): its requests are reported finished all the same, or
-        they would wait for their blocks forever."""
+        """Start the step's loads in the background. A round that cannot start fails its
+        blocks (vLLM recomputes them, reported at once); its requests are reported finished
+        all the same once the rounds started before it have ended (they may still write
+        their blocks), or they would wait for their blocks forever."""
         reqs = {t.req_id for t in meta.loads}
+        rounds = self._rounds(meta)
+        loads: list[tuple[kvmove.Transfer, list[int]]] = []
         try:
             if self.mover is None:
                 raise kvmove.KVMoveError("no KV cache registered")
-            loads = self._prefetch(meta, layerwise=False)
+            for keys, ids in rounds:
+                loads.append((self.mover.prefetch(keys, block_pages(ids)), ids))
         except Exception as e:
-            blocks = [b for t in meta.loads for b in t.block_ids]
+            blocks = [b for _, ids in rounds[len(loads):] for b in ids]
             log.warning("kvmove connector: %d blocks not loaded (%s); vLLM recomputes them",
                         len(blocks), e)
             self._load_errors.update(blocks)
-            self._recving.append(([], reqs))
-            return
         self._recving.append((loads, reqs))
 
     def finished_loads(self) -> set[str]:
@@ -236,9 +233,13 @@ class WorkerSide:
         keys, block_ids = list(first_block), list(first_block.values())
         pages = block_pages(block_ids)
         absent = all(t.absent_at_lookup for t in meta.saves)
-        try:  # in staging-sized pieces where needed
-            transfer = self.mover.evict(keys, pages, detect_exists=False if absent else None)
-        except kvmove.StagingFull as e:  # a save missed costs a recompute, never the step
+        # In staging-sized pieces where needed, never waiting for staging slots that puts
+        # in flight or asynchronous loads hold: a save missed costs a recompute, never the
+        # step.
+        try:
+            transfer = self.mover.evict(keys, pages, detect_exists=False if absent else None,
+                                        wait_for_staging=False)
+        except kvmove.StagingFull as e:
             log.warning("kvmove connector: %d block saves skipped: %s", len(keys), e)
             return None
         # vLLM reuses the blocks once the scheduler let them go (after this job was reported

@@ -345,9 +345,11 @@ def test_an_eagle_hit_gives_up_its_last_block():
             sched.close()
 
 
-def plan_of(extra: dict, speculative=None, pp: int = 1) -> ConnectorPlan:
+def plan_of(extra: dict, speculative=None, pp: int = 1,
+            launcher: tuple[str, int] = ("mp", 1)) -> ConnectorPlan:
     """``plan_from_vllm`` of a one-group full-attention model at TP 1 and PP ``pp`` with the
-    connector's ``kv_connector_extra_config`` ``extra``."""
+    connector's ``kv_connector_extra_config`` ``extra``; ``launcher``: vLLM's
+    ``distributed_executor_backend`` and ``world_size``."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvmove.integrations.vllm.plan import plan_from_vllm
@@ -358,7 +360,9 @@ def plan_of(extra: dict, speculative=None, pp: int = 1) -> ConnectorPlan:
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=pp,
                                         prefill_context_parallel_size=1,
-                                        decode_context_parallel_size=1),
+                                        decode_context_parallel_size=1,
+                                        distributed_executor_backend=launcher[0],
+                                        world_size=launcher[1]),
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, model="org/tiny"),
         cache_config=SimpleNamespace(block_size=BS, prefix_match_unit=None),
         speculative_config=speculative)
@@ -386,10 +390,14 @@ def test_loads_are_asynchronous_unless_configured_off(extra, load_async, layerwi
     plan = plan_of(extra)
     assert (plan.load_async, plan.layerwise) == (load_async, layerwise)
     assert KVMoveConnector.requires_piecewise_for_cudagraph(extra) is layerwise
-    # Pipeline stages before the last may report no finished loads: loads in the step,
-    # and layer-wise only where the graph was split for them.
-    plan = plan_of(extra, pp=2)
-    assert (plan.load_async, plan.layerwise) == (False, layerwise)
+    # Pipeline stages before the last may report no finished loads; ranks under
+    # external_launcher schedule alone: loads in the step, and layer-wise only where the
+    # graph was split for them.
+    for plan in (plan_of(extra, pp=2),
+                 plan_of(extra, launcher=("external_launcher", 2)),
+                 plan_of(extra, pp=2, launcher=("mp", 2))):
+        assert (plan.load_async, plan.layerwise) == (False, layerwise)
+    assert plan_of(extra, launcher=("external_launcher", 1)).load_async is load_async
 
 
 def test_an_asynchronous_load_is_scheduled_while_its_request_waits():
@@ -430,43 +438,61 @@ def test_an_asynchronous_load_is_scheduled_while_its_request_waits():
 def test_a_lookup_after_a_failed_asynchronous_load_stops_before_the_failed_block(failed,
                                                                                 hit_after):
     """A request whose asynchronous load failed at its first block goes back to vLLM's queue
-    with nothing computed and is looked up again: that hit stops before the failed block
-    (else it would load the same failing object forever); once only (a later lookup sees
-    the store again). A load that ended well changes nothing."""
+    with nothing computed and is looked up again: its hit stops before the failed block
+    (else it would load the same failing object forever) until vLLM admits it (a lookup
+    after that sees the store again). A load that ended well changes nothing."""
     plan = plan_for(load_async=True)
     hashes = block_hashes(f"async-retry-{failed}", 3)
     keys = [h.hex() for h in hashes]
     with worker_side(plan, caches(seed=16)) as w:
         w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys, [1, 2, 3], 0)]))
+    from kvmove.integrations.vllm import KVMoveConnector
+
     sched = SchedulerSide(plan)
+    connector = KVMoveConnector.__new__(KVMoveConnector)  # vLLM's calls, on this side
+    connector.plan, connector._side = plan, sched
+
+    def done(finished, invalid):
+        connector.update_connector_output(SimpleNamespace(
+            kv_connector_worker_meta=None, finished_recving=finished,
+            invalid_block_ids=invalid))
+
     try:
         req = request("r", hashes, 3 * BS + 1)
-        assert sched.matched_tokens(req, 0) == 3 * BS
+        assert connector.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
         sched.after_alloc(req, [9, 7, 5], 3 * BS)
         meta = sched.build_meta(output())
         assert transfers(meta.loads) == [(keys, [9, 7, 5])]
         invalid = {[9, 7, 5][failed], 5} if failed is not None else set()
-        sched.loads_done(set(), invalid)  # vLLM may report errors before the request
-        sched.loads_done({"r"}, set())
-        sched.loads_done(set(), {9, 7, 5})  # blocks of a load that ended: not this one's
-        assert sched.matched_tokens(req, 0) == hit_after * BS
-        assert sched.matched_tokens(req, 0) == 3 * BS
+        done(None, invalid)  # vLLM may report errors before the request
+        done({"r"}, set())
+        done(None, {9, 7, 5})  # blocks of a load that ended: not this one's
+        want = (hit_after * BS, True) if hit_after else (0, False)
+        assert connector.get_num_new_matched_tokens(req, 0) == want
+        # a lookup vLLM did not admit (no free blocks, prefills deferred): the same
+        assert connector.get_num_new_matched_tokens(req, 0) == want
+        sched.after_alloc(req, [9, 7, 5, 3], want[0])  # admitted with it
+        sched.build_meta(output())
+        assert connector.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
     finally:
         sched.close()
 
 
 def finish_async(side: WorkerSide, timeout: float = 30.0) -> list[tuple[set[str], set[int]]]:
     """Poll a worker's asynchronous loads as vLLM does after each step (``get_finished``,
-    then ``get_block_ids_with_load_errors``) until none is in flight: per poll that
-    finished a request, the requests and the load errors reported in that pass."""
-    passes, deadline = [], time.monotonic() + timeout
+    then ``get_block_ids_with_load_errors``) until none is in flight: per pass that
+    finished requests, those requests and the load errors reported since the previous such
+    pass (vLLM takes a request's errors up to the pass that reports it, never after)."""
+    passes, errors, deadline = [], set(), time.monotonic() + timeout
     while side._recving:
         assert time.monotonic() < deadline, "asynchronous loads did not finish"
-        finished, errors = side.finished_loads(), side.take_load_errors()
-        assert finished or not errors  # errors come with (or before) their request
+        finished = side.finished_loads()
+        errors |= side.take_load_errors()
         if finished:
             passes.append((finished, errors))
+            errors = set()
         time.sleep(0.002)
+    assert errors == set() and side.take_load_errors() == set()  # none after the requests
     return passes
 
 
@@ -493,6 +519,58 @@ def test_asynchronous_loads_finish_with_their_blocks_in(path):
     saved = [block_bytes(src, b) for b in (1, 2, 3)]
     assert [block_bytes(dst, b) for b in (8, 9, 10, 11)] == [*saved, saved[0]]
     assert block_bytes(dst, 12) == bytes(len(saved[0]))
+
+
+def test_a_load_whose_second_round_cannot_start_finishes_after_its_first(monkeypatch):
+    """Two requests with the same prefix load in two rounds; the second cannot start: its
+    blocks fail at once, but the requests are reported finished only once the first round,
+    still writing its blocks, has ended (vLLM frees or recomputes them then)."""
+    plan = plan_for("in_place", load_async=True)
+    keys = [h.hex() for h in block_hashes("async-rounds", 2)]
+    src = caches(seed=17)
+    with worker_side(plan, src) as w:
+        w.save(KVMoveConnectorMetadata(saves=[BlockTransfer("x", keys, [1, 2], 0)]))
+    dst = caches(seed=18, zero=True)
+    with worker_side(plan, dst) as w:
+        get, prefetch, started = w.store.get, w.mover.prefetch, []
+        ended = threading.Event()
+
+        def slow_get(*args, **kwargs):
+            time.sleep(0.5)
+            try:
+                return get(*args, **kwargs)
+            finally:
+                ended.set()
+
+        def second_fails(*args, **kwargs):
+            started.append(args[0])
+            if len(started) > 1:
+                raise RuntimeError("round 2 cannot start")
+            return prefetch(*args, **kwargs)
+
+        monkeypatch.setattr(w.store, "get", slow_get)
+        monkeypatch.setattr(w.mover, "prefetch", second_fails)
+        w.start_load(KVMoveConnectorMetadata(loads=[BlockTransfer("a", keys, [4, 5]),
+                                                    BlockTransfer("b", keys, [6, 7])]))
+        assert w.finished_loads() == set() and not ended.is_set()
+        assert finish_async(w) == [({"a", "b"}, {6, 7})]
+        assert ended.is_set()
+    assert [block_bytes(dst, b) for b in (4, 5)] == [block_bytes(src, b) for b in (1, 2)]
+    assert block_bytes(dst, 6) == bytes(len(block_bytes(dst, 6)))
+
+
+def test_a_save_never_waits_for_staging_an_asynchronous_load_holds(caplog):
+    """Staged: an asynchronous load may hold staging slots across steps. A save that finds
+    none free is skipped (a later miss), never waits in the engine's step."""
+    plan = plan_for("staged", load_async=True)
+    hashes = block_hashes("async-staging", 2)
+    with worker_side(plan, caches(seed=19)) as w:
+        held = w.mover.staging.alloc(w.mover.staging.num_slots)
+        threading.Timer(0.5, w.mover.staging.free, args=(held,)).start()
+        with caplog.at_level("WARNING"):
+            w.save(KVMoveConnectorMetadata(saves=[BlockTransfer(
+                "a", [h.hex() for h in hashes], [4, 5])]))
+        assert "2 block saves skipped" in caplog.text and w._saves == []
 
 
 @pytest.mark.parametrize("where", ["start", "background", "no cache"])
@@ -630,7 +708,7 @@ class RecordingMover:
         self.saved: list[str] = []
         self.loaded: list[str] = []
 
-    def evict(self, keys, pages, detect_exists=None):
+    def evict(self, keys, pages, detect_exists=None, wait_for_staging=True):
         self.saved += keys
         return SimpleNamespace(gathered=SimpleNamespace(wait=lambda: None), done=lambda: True,
                                wait=lambda: [kvmove.Status.OK] * len(keys))
@@ -712,13 +790,13 @@ def test_replicated_ranks_save_each_block_once(monkeypatch, replication):
 
 
 def test_a_save_without_staging_slots_is_skipped_not_raised(monkeypatch, caplog):
-    """The staging stayed full for the mover's whole alloc_timeout (a stalled store): the
-    step's saves are skipped with a warning (those blocks are recomputed on a later miss);
-    vLLM's step does not die."""
+    """The staging has no free slots (puts in flight, a stalled store): the step's saves are
+    skipped with a warning (those blocks are recomputed on a later miss); vLLM's step does
+    not die."""
     import vllm.distributed.parallel_state as parallel_state
 
     class FullMover(RecordingMover):
-        def evict(self, keys, pages, detect_exists=None):
+        def evict(self, keys, pages, detect_exists=None, wait_for_staging=True):
             raise kvmove.StagingFull("no staging slots came free within 60 s")
 
     plan = ConnectorPlan(block_size=BS, hash_block_size=BS, keys=VLLMKeyFormat("ds"),
