@@ -45,7 +45,8 @@ def prompts() -> dict[str, list[list[int]]]:
     def group(n):
         return [[rng.randrange(3, 512) for _ in range(100)] for _ in range(n)]
 
-    return {name: group(2) for name in ("p1", "p2", "zeros", "remove", "kill", "async_remove")}
+    return {name: group(2) for name in ("p1", "p2", "zeros", "remove", "kill", "async_remove",
+                                        "async_wrong_size")}
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
 """A test double of kvmove's connector that injects one fault into loads, chosen by the JSON
 file ``$KVMOVE_TEST_FAULTS`` (read at every load): ``{"mode": "none" | "zeros" | "remove" |
-"kill"}``. ``zeros`` writes zeros over the loaded blocks (a wrong connector: the outputs must
-change); ``remove`` deletes the last block's object of every load from the store before the
-get (a missing object); ``kill`` kills the Mooncake master (pid ``$KVMOVE_TEST_MASTER_PID``)
-before the get; ``kill_holder:N`` SIGKILLs the N-th store node of ``$KVMOVE_TEST_HOLDER_PIDS``
-(comma-separated pids) before the get. Load errors, and requests whose asynchronous load
-finished, are appended to ``$KVMOVE_TEST_EVENTS`` as JSON lines."""
+"wrong_size" | "kill"}``. ``zeros`` writes zeros over the loaded blocks (a wrong connector:
+the outputs must change); ``remove`` deletes the last block's object of every load from the
+store before the get (a missing object); ``wrong_size`` puts a 16-byte object in place of
+the first block's of every load (found by lookups, never loadable); ``kill`` kills the
+Mooncake master (pid ``$KVMOVE_TEST_MASTER_PID``) before the get; ``kill_holder:N``
+SIGKILLs the N-th store node of ``$KVMOVE_TEST_HOLDER_PIDS`` (comma-separated pids) before
+the get. Load errors, and requests whose asynchronous load finished, are appended to
+``$KVMOVE_TEST_EVENTS`` as JSON lines."""
 
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ class FaultyKVMoveConnector(KVMoveConnector):
         keys = [side.key_prefix + t.keys[-1] for t in meta.loads]
         if mode == "remove":
             side.store.remove(keys, force=True)
+        elif mode == "wrong_size":
+            first = [side.key_prefix + t.keys[0] for t in meta.loads]
+            side.store.remove(first, force=True)
+            for key in first:
+                assert side.store._client.put(key, bytes(16)) == 0
         elif mode == "kill":
             os.kill(int(os.environ["KVMOVE_TEST_MASTER_PID"]), signal.SIGKILL)
         elif mode.startswith("kill_holder:"):

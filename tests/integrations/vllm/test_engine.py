@@ -7,8 +7,10 @@ the runs it needs:
    layer;
 4. V, vLLM's own MooncakeStoreConnector: loads p1 (kvmove's objects), computes and saves p2;
 5. D, kvmove's connector as configured by default (asynchronous loads), faults injected:
-   loads p1 while its requests wait, then a group with a missing object (vLLM recomputes
-   it: the outputs of the run without a connector);
+   loads p1 while its requests wait, then a group with a missing last object and one whose
+   first object cannot be loaded (vLLM recomputes them: the outputs of the run without a
+   connector; the request whose first block failed is looked up again and not loaded
+   again);
 6. C, kvmove's connector with faults injected, loading whole-cache in the step: p2 (vLLM's
    objects), then zeros in place of the stored blocks (the outputs change), a missing object
    and a killed master (vLLM recomputes: the outputs of the run without a connector).
@@ -79,7 +81,9 @@ def async_loads(engines, prompts, writer):
     start = len(engines.events_log())
     run = engines.run(FAULTY_ASYNC, [
         {"name": "p1", "prompts": prompts["p1"], "faults": "none"},
-        {"name": "async_remove", "prompts": prompts["async_remove"], "faults": "remove"}])
+        {"name": "async_remove", "prompts": prompts["async_remove"], "faults": "remove"},
+        {"name": "async_wrong_size", "prompts": prompts["async_wrong_size"],
+         "faults": "wrong_size"}])
     run.events = engines.events_log()[start:]
     return run
 
@@ -99,12 +103,12 @@ def faulty(engines, prompts, writer, vllm_engine, async_loads):
 def test_outputs_depend_on_the_kv_cache(baseline):
     # Random weights: distinct prompts give distinct outputs, far from uniform logits.
     outs = [tuple(r["token_ids"]) for g in baseline.results.values() for r in g]
-    assert len(outs) == 12 and len(set(outs)) == len(outs), baseline.error
+    assert len(outs) == 14 and len(set(outs)) == len(outs), baseline.error
     assert max(lp for g in baseline.results.values() for r in g for lp in r["logprobs"]) > -5
 
 
 def test_writer_outputs_equal_no_connector(baseline, writer):
-    for name in ("p1", "zeros", "remove", "kill", "async_remove"):
+    for name in ("p1", "zeros", "remove", "kill", "async_remove", "async_wrong_size"):
         assert cached(writer[name]) == [0, 0], name
         assert same(writer[name], baseline[name]), name
     assert writer.error is None
@@ -132,6 +136,17 @@ def test_a_failed_asynchronous_load_is_recomputed(baseline, async_loads):
     assert sum(e.get("finished_recving", 0) for e in removed) == 2
     assert same(async_loads["async_remove"], baseline["async_remove"])
     assert async_loads.error is None
+
+
+def test_a_load_failed_at_its_first_block_is_not_tried_again(baseline, async_loads):
+    """The first block's object of each request is found but cannot be loaded: vLLM frees
+    the request's blocks and looks it up again; that lookup stops before the failed block,
+    so each request is loaded once (3 blocks) and computed, not loaded again and again."""
+    events = [e for e in async_loads.events if e["mode"] == "wrong_size"]
+    assert sum(e.get("blocks", 0) for e in events) == 6, events
+    assert sum(e.get("load_errors", 0) for e in events) >= 2
+    assert cached(async_loads["async_wrong_size"]) == [0, 0]
+    assert same(async_loads["async_wrong_size"], baseline["async_wrong_size"])
 
 
 def test_vllm_connector_reads_kvmove_objects(baseline, writer, vllm_engine):
