@@ -161,6 +161,21 @@ def test_a_closed_receiver_fails_fast_and_a_new_one_works(peers, sender, kv_byte
     fresh.close()
 
 
+def assert_stalled_sends_failed(first, behind) -> None:
+    """Two sends to a receiver stopped before first contact both ended FAILED. Mooncake's
+    handshake with a stopped process mostly hangs: the watchdog gives the first
+    ``WRITE_TIMEOUT`` and the one queued behind it ends unsent. Once in a full CI run
+    Mooncake answered at once with an error instead (-1, its write tried anyway, as a
+    contact that returns an error proves nothing): then both end with Mooncake's codes or
+    the watchdog's, never OK."""
+    got, queued = first.result(30), behind.result(30)
+    assert got.statuses == [Status.FAILED] * 2 and queued.statuses == [Status.FAILED] * 2
+    if got.codes == [WRITE_TIMEOUT] * 2:
+        assert queued.codes == [NOT_SENT] * 2
+    else:
+        assert all(c < 0 for c in got.codes + queued.codes), (got.codes, queued.codes)
+
+
 def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, victim,
                                                                       kv_bytes):
     rx = Remote(victim, spec("layer_first"), seed=9)
@@ -179,8 +194,7 @@ def test_a_stalled_receiver_fails_within_10_s_and_holds_up_no_other(receivers, v
     assert tx.send(other.handle, pages(12, 1), [13]).wait(30) == [Status.OK]
     assert time.monotonic() - t0 < 20  # not held up by the stalled one (60 s if it were)
     other.assert_holds(expected)
-    assert first.result(30).codes == [WRITE_TIMEOUT] * 2
-    assert behind.result(30).codes == [NOT_SENT] * 2
+    assert_stalled_sends_failed(first, behind)
     assert time.monotonic() - t0 < timeout + 4  # the call timeout, and slack for a busy machine
     # Closing does not wait for the write the transport never returned (its thread
     # destroys its engine, and lets the staging go, once it does).
@@ -204,8 +218,7 @@ def test_a_receiver_stalled_at_first_contact_gives_its_staging_back_at_once(
         t0 = time.monotonic()
         first = tx.send(rx.handle, pages(0, 2), [0, 1])
         behind = tx.send(rx.handle, pages(8, 2), [2, 3])  # every slot taken now
-        assert first.result(30).codes == [WRITE_TIMEOUT] * 2
-        assert behind.result(30).codes == [NOT_SENT] * 2
+        assert_stalled_sends_failed(first, behind)
         expected = other.expect(kv_bytes, pages(16, 4), [9, 10, 11, 12])
         # Every slot is free again: this send needs all four (StagingFull if not).
         assert tx.send(other.handle, pages(16, 4), [9, 10, 11, 12]).wait(30) == \
