@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
-from kvmove.integrations.vllm.plan import plan_from_vllm
+from kvmove.integrations.vllm.plan import loads_wait_in_forward, plan_from_vllm
 from kvmove.integrations.vllm.scheduler import SchedulerSide
 from kvmove.integrations.vllm.worker import WorkerSide
 
@@ -76,9 +76,7 @@ class KVMoveConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Synchronous layer-wise loads wait inside the forward, between graph pieces.
-        extra = extra_config or {}
-        return (str(extra.get("layerwise", "true")).lower() == "true"
-                and str(extra.get("load_async", "true")).lower() != "true")
+        return loads_wait_in_forward(extra_config)
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

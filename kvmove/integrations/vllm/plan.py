@@ -72,6 +72,23 @@ class ConnectorPlan:
         return block_hashes(request.block_hashes, self.hash_block_size, self.block_size)
 
 
+def _flag(extra: dict, name: str, default: bool) -> bool:
+    """A true/false option of ``kv_connector_extra_config`` (a bool or its string, as vLLM's
+    connector reads them)."""
+    return str(extra.get(name, default)).lower() == "true"
+
+
+def loads_wait_in_forward(extra: dict | None) -> bool:
+    """Whether loads land layer by layer inside the forward (``wait_for_layer_load``): only
+    where they were asked to be synchronous (``load_async`` false) and ``layerwise`` (its
+    default). Read from the extra config alone, as vLLM asks the connector class before
+    it is built (``requires_piecewise_for_cudagraph``); where loads were asked to be
+    asynchronous but run in the step all the same (pipeline parallelism, lockstep ranks),
+    they end whole in ``start_load_kv``, before the forward."""
+    extra = extra or {}
+    return _flag(extra, "layerwise", True) and not _flag(extra, "load_async", True)
+
+
 def _refuse(what: str) -> ValueError:
     return ValueError(f"KVMoveConnector: {what}. kvmove stores only vLLM's rank-local "
                       f"Mooncake format with one full-attention KV cache group; use vLLM's "
@@ -91,9 +108,9 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         if extra.get(name) not in (None, False):
             raise _refuse(f"kv_connector_extra_config {name}={extra[name]!r} asks for a "
                           f"TP-sharded store layout")
-    if str(extra.get("enable_partial_hash_hits", "false")).lower() == "true":
+    if _flag(extra, "enable_partial_hash_hits", False):
         raise _refuse("enable_partial_hash_hits is not covered")
-    if str(extra.get("enable_cross_layers_blocks", "false")).lower() == "true":
+    if _flag(extra, "enable_cross_layers_blocks", False):
         raise _refuse("enable_cross_layers_blocks is not covered")
     if kv_cache_config is None:
         raise _refuse("vLLM passed no kv_cache_config")
@@ -118,13 +135,13 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         raise _refuse(f"block size {block_size} is not a multiple of the hash block size "
                       f"{hash_block_size}")
     role = ktc.kv_role
-    load_async = str(extra.get("load_async", "true")).lower() == "true"
+    load_async = _flag(extra, "load_async", True)
     # Under external_launcher each rank's scheduler hears its own worker only: with async
     # loads, ranks would admit a request at different steps, and their batches (and
     # collectives) part ways. Synchronous loads keep them in lockstep.
     lockstep = (getattr(par, "distributed_executor_backend", None) == "external_launcher"
                 and getattr(par, "world_size", 1) > 1)
-    save_decode = str(extra.get("save_decode_cache", "false")).lower() == "true"
+    save_decode = _flag(extra, "save_decode_cache", False)
     staging = extra.get("staging_bytes", DEFAULT_STAGING_BYTES)
     if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
         raise ValueError(f"kv_connector_extra_config staging_bytes must be a positive int, "
@@ -151,10 +168,8 @@ def plan_from_vllm(vllm_config, kv_cache_config) -> ConnectorPlan:
         save_decode=save_decode,
         # An asynchronous load is over once every worker reported it; with pipeline
         # parallelism the stages before the last may report nothing (see the connector's
-        # _save_reports): their loads run inside the step instead (as in lockstep), whole,
-        # before the forward (requires_piecewise_for_cudagraph sees the extra config only:
-        # where loads were asked to be asynchronous, none waits inside the forward).
-        layerwise=str(extra.get("layerwise", "true")).lower() == "true" and not load_async,
+        # _save_reports): their loads run inside the step instead (as in lockstep).
+        layerwise=loads_wait_in_forward(extra),
         load_async=load_async and par.pipeline_parallel_size == 1 and not lockstep,
         staging_bytes=staging,
         path=path,

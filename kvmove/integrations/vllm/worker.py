@@ -277,11 +277,10 @@ class WorkerSide:
 
     def close(self) -> None:
         if self.mover is not None:
-            self._finish_loads()
-            for loads, _ in self._recving:  # the rows must not be written after this
-                for transfer, ids in loads:
-                    self._finish_load(transfer, ids)
+            # Asynchronous loads too: the rows must not be written after this.
+            self._loads += [load for loads, _ in self._recving for load in loads]
             self._recving = []
+            self._finish_loads()
             self._reap_saves(wait=True)
             self.mover.close()
             self.mover = None
