@@ -84,20 +84,22 @@ def faults(world: World, master: kvmove.EmbeddedMaster, stop: threading.Event,
     restart_at = time.monotonic() + SECONDS * 0.45
     while not stop.wait(rng.uniform(*KILL_EVERY_S)):
         if not counts["master_restarts"] and time.monotonic() >= restart_at:
-            pid = master.pid
+            # The time of the kill, not of its end: a read that ends in between already
+            # finds no master (its keys RPC_FAIL).
+            pid, killed = master.pid, time.monotonic()
+            with world.lock:
+                world.master_epochs.append(killed)
             os.kill(pid, signal.SIGKILL)
             assert wait_gone(pid, 10)
-            with world.lock:
-                world.master_epochs.append(time.monotonic())
             master.restart()
             counts["master_restarts"] += 1
             continue
         with world.lock:
             live = [h for h in world.holders if h.alive()]
         victim = rng.choice(live)
-        victim.kill()
-        with world.lock:
+        with world.lock:  # before the kill, as the master's
             world.killed_at[victim.pid] = time.monotonic()
+        victim.kill()
         counts["kills"] += 1
         new = Holder(master.address, log_path=tmp_path / f"holder{len(world.holders)}.log")
         with world.lock:
