@@ -5,6 +5,7 @@ cache into staging and writes them into the pages the decode side names, one net
 
 Modules, bottom up: ``engine`` (the Transfer Engine, its settings), ``handle`` (what a
 receiver publishes), ``spans`` (what goes where, merged, in calls the transport handles),
-``slots`` (staging slots per layer), ``job``, ``watchdog`` and ``link`` (one engine and one
-thread per receiver), ``receiver``, ``sender``.
+``slots`` (staging slots per layer), ``job``, ``link`` (one engine and one thread per
+receiver, its calls watched by the store's :class:`~kvmove.store.bounded_call.Watchdog`),
+``receiver``, ``sender``.
 """

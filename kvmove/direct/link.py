@@ -47,11 +47,12 @@ import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 
 from kvmove.direct.job import SendJob
-from kvmove.direct.watchdog import Watchdog
 from kvmove.errors import KVMoveError
 from kvmove.status import CLIENT_EXCEPTION, NOT_SENT, WRITE_TIMEOUT, code_name
+from kvmove.store.bounded_call import Watchdog
 from kvmove.store.transfer_engine import Engine, TransportSettings
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class PeerLink:
         token = object()
         with self._cond:
             self._call = (token, job, contact)
-        self._watchdog.arm(self, token)
+        self._watchdog.arm(token, partial(self.abandon, token))
         try:
             rc = self.engine.write(self.peer, srcs, dsts, lengths)
         finally:

@@ -19,7 +19,9 @@ from kvmove.status import CALL_TIMEOUT
 from kvmove.store.bounded_call import (
     CallRunner,
     SpanBudget,
+    Watchdog,
     call_bounded,
+    call_watched,
     settled,
     start_call,
 )
@@ -77,6 +79,60 @@ def test_errors_are_returned_and_settled_joins_several():
     assert not joined.done()
     gates[2].set()
     joined.result(5)
+
+
+def test_a_watched_call_runs_here_and_gives_its_value_or_error():
+    here = threading.get_ident()
+    ran, late_calls = [], []
+    out = call_watched(lambda x: ran.append(threading.get_ident()) or x * 2, 21, timeout=5,
+                       on_late=late_calls.append)
+    assert out.done and out.value == 42 and out.late is None
+    assert ran == [here]  # no hand-off
+    out = call_watched(lambda: 1 / 0, timeout=5, on_late=late_calls.append)
+    assert out.done and isinstance(out.error, ZeroDivisionError)
+    time.sleep(0.1)
+    assert late_calls == []  # disarmed in time: the watchdog never fires for them
+    with pytest.raises(KeyboardInterrupt):  # not an outcome: it propagates
+        call_watched(lambda: (_ for _ in ()).throw(KeyboardInterrupt), timeout=5)
+
+
+def test_a_watched_call_past_its_bound_is_given_up_then_and_returns_when_it_ends():
+    here = threading.get_ident()
+    fired = []  # (seconds after the start, thread, the late future's state then)
+
+    def on_late(late):
+        fired.append((time.monotonic() - t0, threading.get_ident(), late.done()))
+
+    t0 = time.monotonic()
+    out = call_watched(time.sleep, 1.0, timeout=0.2, on_late=on_late)
+    took = time.monotonic() - t0
+    assert took >= 1.0  # it returned only once the call had
+    assert len(fired) == 1
+    at, thread, was_done = fired[0]
+    assert 0.2 <= at < 0.8 and thread != here and not was_done  # given up at the bound
+    assert not out.done and out.late is not None and out.late.done()
+    assert out.late.result() is None  # what the call returned
+    fired.clear()
+    out = call_watched(lambda: time.sleep(0.5) or 1 / 0, timeout=0.1, on_late=on_late)
+    assert len(fired) == 1 and not out.done
+    with pytest.raises(ZeroDivisionError):
+        out.late.result()
+
+
+def test_the_watchdog_wakes_for_an_earlier_deadline_and_survives_a_raising_callback():
+    dog = Watchdog(timeout=30.0, name="test-watchdog")
+    fired = []
+    try:
+        dog.arm("long", lambda: fired.append("long"))  # the thread sleeps ~30 s for it
+        dog.arm("boom", lambda: 1 / 0, timeout=0.05)
+        t0 = time.monotonic()
+        dog.arm("short", lambda: fired.append(("short", time.monotonic() - t0)), timeout=0.1)
+        time.sleep(0.5)
+        assert [f[0] for f in fired] == ["short"] and fired[0][1] < 0.4
+        assert dog.disarm("long") is True  # still armed: returned in time
+        assert dog.disarm("short") is False  # given up on
+    finally:
+        dog.stop()
 
 
 def test_span_budget_counts_spans_in_flight():
