@@ -93,8 +93,8 @@ class Gate:
                 self._hold()
             return result
 
-        def batch(fn, keys, *args):
-            return held(fn.__name__, lambda: real_batch(fn, keys, *args))
+        def batch(fn, keys, *args, **options):
+            return held(fn.__name__, lambda: real_batch(fn, keys, *args, **options))
 
         def check_then_put(client, part):  # a put's exists check and the put, in one call
             return held("batch_put_from_multi_buffers",

@@ -1,13 +1,14 @@
 """What a :class:`kvmove.MooncakeStore` has registered, read from its private state (the
 store keeps no public accessor for it: only the tests ask), and a Mooncake client wrapper
-that slows or fails its exists checks and puts (:func:`swap_client` puts one in place)."""
+that slows or fails its exists checks, puts and gets (:func:`swap_client` puts one in
+place)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-CHECK, PUT = "batch_is_exist", "batch_put_from_multi_buffers"
+CHECK, PUT, GET = "batch_is_exist", "batch_put_from_multi_buffers", "batch_get_into_multi_buffers"
 
 
 def registered_regions(store) -> list[tuple[int, int]]:
@@ -41,8 +42,8 @@ def swap_client(store, make):
 
 class SlowClient:
     """A Mooncake client that forwards every call; it records which thread made each exists
-    check and put, delays them by ``delay[name]`` seconds first, and makes those named in
-    ``fail`` raise (after their delay)."""
+    check, put and get, delays them by ``delay[name]`` seconds first, and makes those named
+    in ``fail`` raise (after their delay)."""
 
     def __init__(self, real):
         self._real = real
@@ -72,6 +73,14 @@ class SlowClient:
 
     def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config):  # a data call
         return self._run(PUT, keys, ptrs, sizes, config)
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):  # a data call
+        return self._run(GET, keys, ptrs, sizes)
+
+    def threads(self, name: str) -> list[int]:
+        """The threads (idents) that made the calls of ``name``, in order."""
+        with self._lock:
+            return [thread for n, thread in self.calls if n == name]
 
     def names(self) -> list[str]:
         with self._lock:
