@@ -169,6 +169,10 @@ class KVMover:
         self.store = store
         self._put_takes_detect_exists = _takes_keyword(getattr(store, "put", None),
                                                        "detect_exists")
+        # An in-place get waits for a read given up anyway (its rows go back to the engine
+        # only then): where the store can, the read runs on the job's thread, no hand-off.
+        self._in_place_get_options = ({"until_returned": True} if _takes_keyword(
+            getattr(store, "get", None), "until_returned") else {})
         if not isinstance(prefetch_into_free_rows, bool):
             raise TypeError(f"prefetch_into_free_rows must be a bool, got "
                             f"{prefetch_into_free_rows!r}")
@@ -907,7 +911,8 @@ class KVMover:
                                                         self.keyspace.store_keys(call.keys),
                                                call.valid, get=True, bad=bad)
             t0 = time.perf_counter()
-            statuses, codes, late, _ = self._store_call(self.store.get, desc)
+            statuses, codes, late, _ = self._store_call(self.store.get, desc,
+                                                        **self._in_place_get_options)
             if late is not None:
                 # A get given up may still write into the KV rows until Mooncake returns
                 # (at most its own transfer timeout, 60 s): the prefetch ends only then,

@@ -24,6 +24,7 @@ from kvmove.status import BAD_ROWS
 from tests.support.caches import GEOMETRIES, snapshot
 from tests.support.store_state import (
     CHECK,
+    GET,
     PUT,
     SlowClient,
     registered_regions,
@@ -519,10 +520,10 @@ def test_a_mover_that_fails_to_build_unregisters_the_kv_memory(store, monkeypatc
 
 
 @pytest.fixture
-def slow_puts(store, monkeypatch):
+def slow_calls(store, monkeypatch):
     """A second store on the master (one key per Mooncake call; calls given up at 0.5 s)
     and its :class:`SlowClient` (``delay[PUT] = 1.5`` makes its puts outlast that). Its
-    client is kept after a put given up: these tests are about the put, not about the
+    client is kept after a call given up: these tests are about the call, not about the
     replacement that follows it (``tests/store/test_client_replacement.py``), whose new
     client's first call may outlast 0.5 s here."""
     config = kvmove.StoreConfig(master_address=store.address, max_batch_keys=1,
@@ -543,11 +544,11 @@ def returned(store) -> None:
     time.sleep(0.3)  # the removal runs in the late call's callback
 
 
-def test_a_put_given_up_removes_only_what_it_stored(slow_puts, keyspace):
+def test_a_put_given_up_removes_only_what_it_stored(slow_calls, keyspace):
     # Keys are content hashes: an evict of keys stored earlier is common. A put given up
     # removes, once it returns, the keys it stored (their bytes may be of two moments), not
     # a key it never tried (an object stored earlier, good, stays).
-    s, client = slow_puts
+    s, client = slow_calls
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     new, old = keyspace(2)
     pages = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -566,12 +567,12 @@ def test_a_put_given_up_removes_only_what_it_stored(slow_puts, keyspace):
                 assert torch.equal(kv.layer(name, layer)[12:16], kv.layer(name, layer)[4:8])
 
 
-def test_a_put_given_up_without_the_exists_query_removes_a_key_stored_before(slow_puts,
+def test_a_put_given_up_without_the_exists_query_removes_a_key_stored_before(slow_calls,
                                                                             keyspace):
     # Without the query Mooncake answers 0 for a stored key: the late call reads as having
     # stored it, and its keys are removed once it returns (a later MISS, never bytes of two
     # moments), the object stored before included (KVMover.evict's docstring).
-    s, client = slow_puts
+    s, client = slow_calls
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     keys = keyspace(1)
     page = torch.tensor([[0, 1, 2, 3]])
@@ -585,12 +586,12 @@ def test_a_put_given_up_without_the_exists_query_removes_a_key_stored_before(slo
         assert s.exists(m.keyspace.store_keys(keys)) == [False]
 
 
-def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(slow_puts,
+def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(slow_calls,
                                                                               keyspace):
     # The late call stores the key (bytes of a moment the engine may have written over) and
     # is then removed: a retry meanwhile would be reported stored, then removed. It ends
     # FAILED instead; once the late call has returned, a retry stores the key for good.
-    s, client = slow_puts
+    s, client = slow_calls
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     keys = keyspace(1)
     page = torch.tensor([[0, 1, 2, 3]])
@@ -608,11 +609,11 @@ def test_a_key_whose_put_was_given_up_is_not_put_again_until_that_call_returns(s
         assert m.prefetch(keys, torch.tensor([[8, 9, 10, 11]])).wait() == [Status.OK]
 
 
-def test_close_keeps_the_kv_rows_registered_until_a_put_given_up_returns(slow_puts,
+def test_close_keeps_the_kv_rows_registered_until_a_put_given_up_returns(slow_calls,
                                                                         keyspace):
     # Mooncake reads the KV rows (and the zero row of padding) until a given-up put really
     # returns: close() leaves them registered and allocated until then, then releases them.
-    s, client = slow_puts
+    s, client = slow_calls
     kv = kvmove.KVCache(GEOMETRIES["mla"](32))
     m = kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place")
     regions = set(m._rows.regions())
@@ -628,3 +629,31 @@ def test_close_keeps_the_kv_rows_registered_until_a_put_given_up_returns(slow_pu
     returned(s)
     assert not regions & set(registered_regions(s))
     assert closed == [True]
+
+
+def test_an_in_place_get_runs_on_the_jobs_thread_and_ends_when_mooncake_returns(slow_calls,
+                                                                             keyspace):
+    # The rows of an in-place get go back to the engine only once Mooncake has let go of
+    # them, so the get runs on the job's own thread (no hand-off to the store's runner),
+    # still given up at the store's bound: its keys FAILED (CALL_TIMEOUT), and the
+    # prefetch ends when the call returned.
+    s, client = slow_calls
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    keys = keyspace(2)
+    src, dst = torch.arange(0, 8).reshape(2, 4), torch.arange(16, 24).reshape(2, 4)
+    with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
+        assert m.evict(keys, src).wait() == [Status.OK] * 2
+        assert m.prefetch(keys, dst).wait() == [Status.OK] * 2
+        for name in kv.buffer_names:
+            for layer in range(kv.num_layers(name)):
+                assert torch.equal(kv.layer(name, layer)[16:24], kv.layer(name, layer)[0:8])
+        runners = {t.ident for t in threading.enumerate() if t.name == "kvmove-call"}
+        assert len(client.threads(GET)) == 2  # one key per call
+        assert not set(client.threads(GET)) & runners
+        client.delay[GET] = 1.5
+        t0 = time.monotonic()
+        result = m.prefetch(keys, dst).result(30)
+        assert time.monotonic() - t0 >= 1.5
+        assert result.statuses == [Status.FAILED] * 2
+        assert result.codes == [kvmove.status.CALL_TIMEOUT] * 2  # the second: not tried
+        assert len(client.threads(GET)) == 3
