@@ -170,7 +170,10 @@ class KVMover:
         self._put_takes_detect_exists = _takes_keyword(getattr(store, "put", None),
                                                        "detect_exists")
         # An in-place get waits for a read given up anyway (its rows go back to the engine
-        # only then): where the store can, the read runs on the job's thread, no hand-off.
+        # only then): where the store can, the read runs on the job's thread, no hand-off,
+        # unless that is the main thread (a caller that ran the job itself), where Mooncake's
+        # reads measured slower than the hand-off saves (bench/results/
+        # cpu-amd-epyc-2c-20261205-watched-calls).
         self._in_place_get_options = ({"until_returned": True} if _takes_keyword(
             getattr(store, "get", None), "until_returned") else {})
         if not isinstance(prefetch_into_free_rows, bool):
@@ -911,8 +914,9 @@ class KVMover:
                                                         self.keyspace.store_keys(call.keys),
                                                call.valid, get=True, bad=bad)
             t0 = time.perf_counter()
-            statuses, codes, late, _ = self._store_call(self.store.get, desc,
-                                                        **self._in_place_get_options)
+            options = (self._in_place_get_options
+                       if threading.current_thread() is not threading.main_thread() else {})
+            statuses, codes, late, _ = self._store_call(self.store.get, desc, **options)
             if late is not None:
                 # A get given up may still write into the KV rows until Mooncake returns
                 # (at most its own transfer timeout, 60 s): the prefetch ends only then,
