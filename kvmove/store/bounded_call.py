@@ -153,8 +153,9 @@ class Watchdog:
     :meth:`arm` s its call (a token) with what to do then, and :meth:`disarm` s it when the
     call returns; past the call's timeout the watchdog runs ``on_late()`` on its own
     thread (the call itself runs on to its end on the caller's). ``timeout`` is
-    :meth:`arm`'s default. The thread sleeps until the first deadline armed, so calls that
-    return in time cost it no wake-up (only the first arm after it ran out of calls does)."""
+    :meth:`arm`'s default. The thread sleeps until the first deadline armed: a call that
+    returns in time costs it no wake-up of its own (the thread wakes at most once per
+    deadline it slept towards, and once when a call is armed while nothing else is)."""
 
     def __init__(self, timeout: float | None = None, name: str = "kvmove-watchdog"):
         self.timeout = timeout
@@ -182,7 +183,8 @@ class Watchdog:
 
     def disarm(self, token: object) -> bool:
         """The call ``token`` returned: True when in time, False when the watchdog gave up
-        on it (its ``on_late`` has run or is running)."""
+        on it (its ``on_late`` has run, runs, or is about to run on the watchdog's
+        thread)."""
         with self._cond:
             return self._armed.pop(token, None) is not None
 

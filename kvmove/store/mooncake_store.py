@@ -66,15 +66,15 @@ given up until it really returns (its own cap is 60 s): the result's ``late`` fu
 then, and until then the store keeps the regions in use (``unregister`` refuses them) and a
 caller must not free or reuse that memory (:class:`kvmove.KVMover` holds the staging slots). A
 caller that would wait for ``late`` anyway asks ``until_returned=True`` (``get``, ``put``): its
-calls run on its own thread, watched, given up at the same bound (the log, the ``CALL_TIMEOUT``
-codes and the client's replacement come as above, from a watchdog thread), and the put or get
-returns once they really returned. A client whose call was given up may be broken towards that
-holder for good (a wedged TCP queue), so the store replaces it: a new client (no segment of its
-own; the first client stays open while it holds this process's segment), the same regions
-registered again. Calls already running on the old client (every chunk of a put or get that
-started there) finish there, and it is closed only once none runs on it. A new client is set up
-only against a master that answers (the probe above): while it does not, the old client stays in
-use and the next call given up tries again.
+data calls run on its own thread, watched, given up at the same bound (the log, the
+``CALL_TIMEOUT`` codes and the client's replacement come as above, from a watchdog thread), and
+the put or get returns once they really returned. A client whose call was given up may be broken
+towards that holder for good (a wedged TCP queue), so the store replaces it: a new client (no
+segment of its own; the first client stays open while it holds this process's segment), the same
+regions registered again. Calls already running on the old client (every chunk of a put or get
+that started there) finish there, and it is closed only once none runs on it. A new client is
+set up only against a master that answers (the probe above): while it does not, the old client
+stays in use and the next call given up tries again.
 
 Replica failover (:mod:`kvmove.store.replica_reader`): a key whose get failed in transport
 (``-800``: its first-listed replica's holder is dead) and that has another complete replica
@@ -1105,9 +1105,10 @@ class MooncakeStore:
         is reported ``OK`` (Mooncake keeps the stored object either way).
 
         ``until_returned=True``: as :meth:`get`'s, for a caller that would wait for
-        ``.late`` anyway; the exists check and the put run on this thread, each given up
-        at ``call_timeout`` from its own start (a check given up starts no put), and
-        ``.late`` is ``None`` (``.late_stored`` still says what a put given up stored)."""
+        ``.late`` anyway; the put runs on this thread, given up at ``call_timeout`` from
+        its own start, and ``.late`` is ``None`` (``.late_stored`` still says what a put
+        given up stored). The exists check, which names no memory, is still handed off
+        and answered at its bound (a check given up starts no put)."""
         desc = self._check_desc(desc)
         if not isinstance(until_returned, bool):
             raise TypeError(f"until_returned must be a bool, got {until_returned!r}")
@@ -1156,8 +1157,10 @@ class MooncakeStore:
                    flags: list[int] | None = None, here: bool = False) -> list[int]:
         first = None  # the first put's codes, when the check's own call made it
         if detect_exists:
-            if flags is None and here:  # no hand-off to save: the check, then the put
-                flags = self._batch(client.batch_is_exist, part.keys, here=True)
+            if flags is None and here:
+                # The check names no memory: handed to the runner, given up at the bound
+                # (no put then), never waited for past it; the put runs here.
+                flags = self._batch(client.batch_is_exist, part.keys)
             elif flags is None:
                 flags, first = self._check_then_put(client, part)
             if _stops_the_call(flags):
@@ -1240,8 +1243,9 @@ class MooncakeStore:
         that goes back only once Mooncake let go of it): the reads run on this thread, no
         hand-off to another (0.1-0.2 ms less per call on a busy host). A read is still given
         up at ``call_timeout`` (logged, its keys ``FAILED`` with ``CALL_TIMEOUT``, the client
-        replaced), but the call returns only once Mooncake has (at most its own 60-s cap),
-        and ``.late`` is then ``None``."""
+        replaced), but the call returns only once Mooncake has (its own cap is 60 s; no
+        bound of kvmove's applies), a replica failover's reads given up included, and
+        ``.late`` is then ``None``."""
         desc = self._check_desc(desc)
         if not isinstance(until_returned, bool):
             raise TypeError(f"until_returned must be a bool, got {until_returned!r}")
@@ -1257,6 +1261,9 @@ class MooncakeStore:
                 statuses = [Status.OK] * len(codes)
             else:
                 statuses = self._get_statuses(client, desc.keys, codes, expected)
+        if until_returned and uses.late is not None:  # a failover's read given up
+            uses.late.result()  # returns once the read has and its regions are released
+            uses.late = None
         result = StoreResult(statuses, codes, uses.late)
         self._log_outcome("get", desc.keys, result)
         return result

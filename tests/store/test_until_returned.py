@@ -1,20 +1,23 @@
 """``MooncakeStore.get`` / ``put`` with ``until_returned=True``, against a real embedded
-master: the Mooncake calls run on the caller's thread (no hand-off), and a call past
+master: the data calls run on the caller's thread (no hand-off), and a call past
 ``call_timeout`` is still given up at the bound (logged, its client replaced, its keys
 ``FAILED`` with ``CALL_TIMEOUT``), but the put or get returns only once Mooncake has, with
-no ``late`` left. In time, the same statuses and bytes as without it."""
+no ``late`` left (a replica failover's read given up included). A put's exists check, which
+names no memory, stays handed off and answered at its bound. In time, the same statuses and
+bytes as without it."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
 import kvmove
 from kvmove import Status
-from kvmove.status import CALL_TIMEOUT
+from kvmove.status import CALL_TIMEOUT, TRANSFER_FAIL
 from kvmove.store.bounded_call import default_runner
 from tests.support.staging_data import GEOMETRIES, canonical, make_staging
 from tests.support.store_state import (
@@ -70,8 +73,8 @@ def test_in_time_the_calls_run_here_with_the_same_statuses_and_bytes(slow, keysp
     put = s.put(kvmove.describe(staging, range(3), keys), detect_exists=True,
                 until_returned=True)
     assert list(put) == [Status.OK] * 3 and put.late is None and put.late_stored is None
-    assert client.names() == [CHECK, PUT] and set(client.threads(CHECK) +
-                                                   client.threads(PUT)) == {here}
+    assert client.names() == [CHECK, PUT] and client.threads(PUT) == [here]
+    assert client.threads(CHECK) != [here] and handed == [CHECK]  # the check: handed off
     # An existing key: EXISTS, unsent, as without until_returned; a missing one: MISS.
     again = s.put(kvmove.describe(staging, [0, 3], [keys[0], *keyspace(1, "more")]),
                   detect_exists=True, until_returned=True)
@@ -82,7 +85,7 @@ def test_in_time_the_calls_run_here_with_the_same_statuses_and_bytes(slow, keysp
     assert client.threads(GET) == [here]
     for dst, src in zip((4, 5, 6), (0, 1, 2), strict=True):
         assert canonical(staging, dst, PAGE) == canonical(staging, src, PAGE)
-    assert handed == []  # nothing went to the runner
+    assert handed == [CHECK, CHECK]  # only the exists checks went to the runner
     assert calls_in_flight(s) == 0 and not regions_in_use(s)
     with pytest.raises(TypeError, match="until_returned"):
         s.get(kvmove.describe(staging, [4], keys[:1]), until_returned=1)
@@ -133,17 +136,51 @@ def test_a_put_past_the_bound_reports_what_it_stored(slow, keyspace, caplog):
     assert client.threads(PUT) == [threading.get_ident()]
 
 
-def test_a_check_past_the_bound_puts_nothing_even_once_it_returned(slow, keyspace):
+def test_a_check_past_the_bound_answers_then_and_puts_nothing(slow, keyspace):
+    # The exists check names no memory: the put answers at the check's bound, as without
+    # until_returned, and no put follows, even once the check returned.
     s, client = slow
     staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=54)
     keys = keyspace(2)
-    client.delay[CHECK] = 3 * BOUND
+    client.delay[CHECK] = 4 * BOUND
     t0 = time.monotonic()
     result = s.put(kvmove.describe(staging, range(2), keys), detect_exists=True,
                    until_returned=True)
-    assert time.monotonic() - t0 >= 3 * BOUND
+    assert BOUND <= time.monotonic() - t0 < 3 * BOUND
     assert list(result) == [Status.FAILED] * 2 and result.codes == [CALL_TIMEOUT] * 2
+    time.sleep(4 * BOUND)  # the check returns meanwhile
     assert client.names() == [CHECK]  # no put followed
     assert s._client is client  # a check moves no data: its client stays
     client.delay.clear()
     assert s.exists(keys) == [False, False]
+
+
+def test_a_failover_read_given_up_is_waited_for_too(slow, keyspace, monkeypatch):
+    # A key whose get failed in transport is read from another replica (its own call,
+    # handed off and bounded); a read given up there still writes into the spans until it
+    # returns, so until_returned waits for it as well, and .late is None.
+    s, client = slow
+    staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=55)
+    keys = keyspace(2)
+    assert s.put(kvmove.describe(staging, range(2), keys)).all_ok
+    monkeypatch.setattr(client, "batch_get_into_multi_buffers",
+                        lambda k, ptrs, sizes: [TRANSFER_FAIL] * len(k))
+    reads: list[Future] = []
+
+    def failover(_client, _desc, _codes):  # a read given up, returning 4 x BOUND later
+        read = Future()
+        threading.Timer(4 * BOUND, read.set_result, (None,)).start()
+        reads.append(read)
+        return read
+
+    monkeypatch.setattr(s, "_failover", failover)
+    t0 = time.monotonic()
+    result = s.get(kvmove.describe(staging, [2, 3], keys), until_returned=True)
+    assert time.monotonic() - t0 >= 4 * BOUND and reads[0].done()
+    assert result.late is None and not regions_in_use(s)
+    assert Status.OK not in result
+    t0 = time.monotonic()
+    handed_back = s.get(kvmove.describe(staging, [2, 3], keys))  # without: back at once
+    assert time.monotonic() - t0 < 2 * BOUND
+    assert handed_back.late is not None and not handed_back.late.done()
+    handed_back.late.result(10)

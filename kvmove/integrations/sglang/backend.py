@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 __all__ = ["KVMoveStorage"]
 
 _DONE = (kvmove.Status.OK, kvmove.Status.EXISTS)  # a page component that is stored
+_LET_GO_S = 120.0  # longest wait for a stuck Mooncake call to return (its own cap: 60 s)
 
 
 class KVMoveStorage(HiCacheStorage):
@@ -149,18 +150,30 @@ class KVMoveStorage(HiCacheStorage):
                        for pool, keys in zip(view.components, object_keys, strict=True)])
 
     def _get(self, desc):
-        """Answer SGLang only once Mooncake has let go of the host pages
-        (``until_returned``): the store gives a stuck call up at its bound (its keys
-        ``FAILED``, the client replaced), but Mooncake may still write into (get) or read
-        from (put) their memory until the call really returns (its own cap is 60 s), and
-        SGLang frees or reuses the pages as soon as this call answers. SGLang's storage
-        calls run on its background I/O threads (its scheduler does not wait for them):
-        the Mooncake calls run there too, with no hand-off to another thread."""
-        return self.store.get(desc, until_returned=True)
+        return self._let_go(self.store.get(desc))
 
     def _put(self, desc):
-        """As :meth:`_get`."""
-        return self.store.put(desc, detect_exists=True, until_returned=True)
+        return self._let_go(self.store.put(desc, detect_exists=True))
+
+    @staticmethod
+    def _let_go(result):
+        """Answer SGLang only once Mooncake has let go of the host pages. The store gives a
+        stuck call up at its bound (its keys ``FAILED``), but Mooncake may still write into
+        (get) or read from (put) their memory until the call really returns, and SGLang
+        frees or reuses the pages as soon as this call answers: so a call given up is
+        waited for here (Mooncake's own cap is 60 s). SGLang's storage calls run on its
+        background I/O threads; its scheduler does not wait for them."""
+        late = getattr(result, "late", None)
+        if late is not None and not late.done():
+            log.warning("kvmove SGLang backend: a store call was given up; waiting for "
+                        "Mooncake to let go of the host pages before answering (pages read "
+                        "as not stored)")
+            try:
+                late.result(timeout=_LET_GO_S)
+            except Exception as e:  # still running after its cap: say so, loudly
+                log.error("Mooncake still holds host pages after %.0f s (%s); answering now",
+                          _LET_GO_S, e)
+        return result
 
     def _staged_pages(self, objects: list[list[str]], host_indices, *, put: bool):
         """``(staged path, page numbers)`` of a put (``put=True``) or get of the KV pool's
