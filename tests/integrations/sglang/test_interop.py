@@ -4,8 +4,6 @@ another host pool with every row exact, for MLA and MHA pools in each layout bot
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -18,7 +16,6 @@ from tests.integrations.sglang.conftest import (
     sglang_backend,
     storage_config,
 )
-from tests.support.store_state import CHECK, GET, PUT, SlowClient, swap_client
 from tests.support.tenants import multi_tenant_store
 
 PAGE = 4
@@ -204,25 +201,6 @@ def test_set_skips_pages_that_exist(master, model):
         assert backend.batch_set_v1(["p"], indices([1])) == [True]
         assert backend.batch_get_v1(["p"], indices([9])) == [True]
         assert page_data(pool, 9) == first
-    finally:
-        backend.close()
-
-
-def test_in_place_calls_run_on_sglangs_io_thread(master, model):
-    """In place, SGLang's I/O thread makes the Mooncake calls itself (``until_returned``:
-    it waits for a call given up anyway, as SGLang frees the pages once it answers): no
-    hand-off to the store's runner thread."""
-    backend = kvmove_backend(storage_config(mla=True, page_first=True, model=model))
-    try:
-        pool = make_pool("mla", "page_first", 1)
-        backend.register_mem_pool_host(pool)
-        client = swap_client(backend.store, SlowClient)
-        assert backend.batch_set_v1(["a", "b"], indices([1, 2])) == [True] * 2
-        assert backend.batch_get_v1(["a", "b"], indices([5, 6])) == [True] * 2
-        assert page_data(pool, 5) == page_data(pool, 1)
-        assert page_data(pool, 6) == page_data(pool, 2)
-        assert client.names() == [CHECK, PUT, GET]
-        assert {thread for _, thread in client.calls} == {threading.get_ident()}
     finally:
         backend.close()
 
