@@ -17,14 +17,29 @@ import numpy as np
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+INDEX_NUMPY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 # Up to this many rows, index checks run on Python lists (fewer fixed costs than numpy's).
 SMALL_ROWS = 256
+
+
+def check_index_array(value: np.ndarray, name: str, *, dim: int) -> np.ndarray:
+    """``value``, a numpy array, if it is int32/int64 of ``dim`` dimensions; else a clear
+    error naming ``name``."""
+    if value.dtype not in INDEX_NUMPY_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got dtype {value.dtype}")
+    if value.ndim != dim:
+        raise ValueError(f"{name} must have {dim} dimension(s), got shape {value.shape}")
+    return value
 
 
 def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None = None
                     ) -> torch.Tensor:
     """``value`` as an int32/int64 tensor of ``dim`` dimensions, on the CPU or ``device``,
-    or a clear error naming ``name``. Lists and tuples of ints are accepted (int64)."""
+    or a clear error naming ``name``. Lists and tuples of ints are accepted (int64), and
+    numpy int32/int64 arrays (on the CPU, sharing their memory unless read-only)."""
+    if isinstance(value, np.ndarray):
+        value = check_index_array(value, name, dim=dim)
+        return torch.from_numpy(value if value.flags.writeable else value.copy())
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (list, tuple)):
             rows = value if dim == 2 else [value]

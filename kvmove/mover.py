@@ -17,6 +17,7 @@ import torch
 
 from kvmove.checks import (
     as_index_tensor,
+    check_index_array,
     check_keys,
     check_layout,
     check_positive_int,
@@ -403,7 +404,10 @@ class KVMover:
             raise KVMoveError("the KVMover is closed")
         keys = check_keys(keys)
         n = len(keys)
-        pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
+        if isinstance(token_pages, np.ndarray):  # taken as it is, no tensor made
+            pages = check_index_array(token_pages, "token_pages", dim=2)
+        else:
+            pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
         if pages.shape[0] != n:
             raise ValueError(f"token_pages has {pages.shape[0]} pages for {n} keys")
         if n and pages.shape[1] != self.page_tokens:
@@ -415,27 +419,32 @@ class KVMover:
         if valid.flags.writeable:  # may be the caller's memory, which it may reuse at once
             valid = valid.copy()
         limit = self.kv.num_slots
-        if pages.is_cuda:  # copied and checked on the caller's stream: no host reads
+        if isinstance(pages, torch.Tensor) and pages.is_cuda:
+            # copied and checked on the caller's stream: no host reads
             pages = pages.to(torch.int64, copy=True)
             bad = ((pages < -1) | (pages >= limit)).any(dim=1) if n else None
-        else:
-            host = pages.numpy().astype(np.int64, copy=True)  # the engine may reuse its own
-            pages = torch.from_numpy(host)
+        else:  # kept as numpy: a torch tensor is made only where a copy kernel needs one
+            if isinstance(pages, torch.Tensor):
+                pages = pages.numpy()
+            host = pages.astype(np.int64, copy=True)  # the engine may reuse its own
             bad = None
             if n and self.check:
                 if not small_rows_ok(host, limit, unique=not gathering):
-                    check_range(pages, limit, "token_pages")  # raises, naming the bad one
+                    checked = torch.from_numpy(host)
+                    check_range(checked, limit, "token_pages")  # raises, naming the bad one
                     if not gathering:
-                        check_unique(pages, "token_pages")
+                        check_unique(checked, "token_pages")
             elif n:
                 out = ((host < -1) | (host >= limit)).any(axis=1)
                 bad = out if out.any() else None
+            pages = host
         ordered = None
         if self._evict_stream is not None:  # on CUDA
             caller = torch.cuda.current_stream(self.device)
             ordered = torch.cuda.Event()
             ordered.record(caller)
-            if pages.is_cuda:  # made on the caller's stream, used on the mover's
+            # device indices: made on the caller's stream, used on the mover's
+            if isinstance(pages, torch.Tensor):
                 pages.record_stream(self._evict_stream if gathering else self._prefetch_stream)
                 if bad is not None:
                     bad.record_stream(self._evict_stream if gathering
@@ -540,12 +549,12 @@ class KVMover:
     def _run_gather(self, piece: Call, slots: torch.Tensor, ordered):
         """Enqueue (CUDA) or run (CPU) the gather of a piece; on CUDA the event after it."""
         if self._evict_stream is None:
-            copy_pages(self._gather, piece.pages, slots, None)
+            copy_pages(self._gather, piece.index_tensor(), slots, None)
             return None
         with torch.cuda.stream(self._evict_stream):
             if ordered is not None:
                 self._evict_stream.wait_event(ordered)
-            copy_pages(self._gather, piece.pages, slots, None)
+            copy_pages(self._gather, piece.index_tensor(), slots, None)
             piece.fetch_bad()
             piece.fetch_pages()  # the put job finds the padding on the host (_zero_padding)
             event = torch.cuda.Event(blocking=True)  # a worker sleeps on it, never spins
@@ -739,7 +748,7 @@ class KVMover:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if ordered is not None:
                 stream.wait_event(ordered)
-            pages = piece.pages
+            pages = piece.index_tensor()
             device_bad = isinstance(piece.bad, torch.Tensor)
             keep = None if ok.all() else ok[:, None]  # [n, 1] or [n, page_tokens]
             short = piece.valid < self.page_tokens
@@ -942,16 +951,15 @@ class KVMover:
         wrote the rows and the indices), then reads the indices: in the background, never
         on the caller's thread."""
         pages = call.pages
-        if pages.is_cuda:
-            with torch.cuda.stream(stream):
-                stream.wait_event(call.ordered)
-                pages = pages.to("cpu")
-            stream.synchronize()
-        elif call.ordered is not None:  # host indices, device rows: the rows were written
-            call.ordered.synchronize()
+        if isinstance(pages, np.ndarray):  # host indices, copied (and checked) at call time
+            if call.ordered is not None:  # device rows: the caller's work wrote them
+                call.ordered.synchronize()
+            return pages, call.bad
+        with torch.cuda.stream(stream):
+            stream.wait_event(call.ordered)
+            pages = pages.to("cpu")
+        stream.synchronize()
         host = pages.numpy()
-        if isinstance(call.bad, np.ndarray) or call.bad is None:
-            return host, call.bad
         out = ((host < -1) | (host >= self.kv.num_slots)).any(axis=1)
         return host, out if out.any() else None
 
@@ -961,7 +969,9 @@ class Call:
     """A call's arguments, validated and taken at call time (or a piece of them)."""
 
     keys: list[str]
-    pages: torch.Tensor  # int64 [n, page_tokens]: a copy made at call time (CPU or device)
+    # int64 [n, page_tokens]: a copy made at call time, numpy on the host, else a tensor on
+    # the device
+    pages: np.ndarray | torch.Tensor
     valid: np.ndarray  # int64 [n] valid tokens per key
     bad: np.ndarray | torch.Tensor | None  # bool [n]: a row of the key's page out of range
     ordered: object = None  # CUDA event after the caller's work at call time
@@ -974,6 +984,11 @@ class Call:
         return Call(self.keys[first:last], self.pages[first:last], self.valid[first:last],
                     bad, self.ordered, self.detect_exists)
 
+    def index_tensor(self) -> torch.Tensor:
+        """``pages`` as a tensor (the copy kernels' index argument), sharing its memory."""
+        pages = self.pages
+        return torch.from_numpy(pages) if isinstance(pages, np.ndarray) else pages
+
     def fetch_bad(self) -> None:
         """Enqueue the copy of a device ``bad`` mask to the host (on the current stream)."""
         if isinstance(self.bad, torch.Tensor):
@@ -981,12 +996,13 @@ class Call:
 
     def fetch_pages(self) -> None:
         """Enqueue the copy of device ``pages`` to the host (on the current stream)."""
-        if self.pages.is_cuda:
+        if not isinstance(self.pages, np.ndarray):
             self._pages_host = self.pages.to("cpu", non_blocking=True)
 
     def pages_on_host(self) -> np.ndarray:
         """``pages`` on the host: after :meth:`fetch_pages` and a wait for the stream."""
-        return (self._pages_host if self.pages.is_cuda else self.pages).numpy()
+        pages = self.pages
+        return pages if isinstance(pages, np.ndarray) else self._pages_host.numpy()
 
     def bad_on_host(self) -> np.ndarray | None:
         """``bad`` on the host: after :meth:`fetch_bad` and a wait for the stream."""

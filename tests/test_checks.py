@@ -21,7 +21,21 @@ def test_as_index_tensor_takes_tensors_and_lists_of_ints():
     assert checks.as_index_tensor([], "pages", dim=2).shape == (0, 0)
 
 
+def test_as_index_tensor_takes_numpy_int_arrays():
+    a = np.array([[3, -1]], dtype=np.int32)
+    got = checks.as_index_tensor(a, "pages", dim=2)
+    assert got.dtype == torch.int32 and got.tolist() == [[3, -1]]
+    a[0, 0] = 7  # shares the array's memory, as torch.from_numpy does
+    assert got[0, 0] == 7
+    frozen = np.array([1, 2], dtype=np.int64)
+    frozen.flags.writeable = False  # a read-only array is copied (torch warns otherwise)
+    assert checks.as_index_tensor(frozen, "rows", dim=1).tolist() == [1, 2]
+
+
 @pytest.mark.parametrize(("value", "error", "match"), [
+    (np.array([1.0]), TypeError, "rows must be int32 or int64, got dtype float64"),
+    (np.array([1], dtype=np.uint64), TypeError, "uint64"),
+    (np.array([[1]]), ValueError, "rows must have 1 dimension"),
     (torch.tensor([1.0]), TypeError, "rows must be int32 or int64"),
     (torch.tensor([1], dtype=torch.int16), TypeError, "int16"),
     (torch.tensor([[1]]), ValueError, "1 dimension"),

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,34 @@ def test_both_paths_store_the_same_objects_and_read_each_others(movers, store, k
                 assert rows_bytes(kv, dst[reader][2, 2:3]) == untouched
             else:
                 assert rows_bytes(kv, page) == want[i]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_numpy_pages_move_as_tensors_do_and_are_copied_at_call_time(movers, keyspace, dtype):
+    kv = kvmove.KVCache(GEOMETRIES["hybrid"](96))
+    pair = movers(kv)
+    src = torch.tensor([[0, 1, 2, 3], [9, 5, 30, 7], [40, 41, 42, 43]])
+    want = [rows_bytes(kv, page) for page in src]
+    for p, m in pair.items():
+        keys = keyspace(3, tag=p)
+        assert m.evict(keys, src.numpy().astype(dtype)).wait(30) == [Status.OK] * 3
+        dst = np.arange(48 + 16 * PATHS.index(p), 60 + 16 * PATHS.index(p),
+                        dtype=dtype).reshape(3, 4)
+        asked = dst.copy()
+        t = m.prefetch(keys, dst)
+        dst[:] = 90  # the caller reuses its array at once: the call took its own copy
+        assert t.wait(30) == [Status.OK] * 3, p
+        got = [rows_bytes(kv, torch.from_numpy(page.astype(np.int64))) for page in asked]
+        assert got == want, p
+        for bad, error, match in ((dst.astype(np.float32), TypeError, "token_pages must be "
+                                   "int32 or int64"),
+                                  (dst.reshape(-1), ValueError, "token_pages must have 2 "
+                                   "dimension"),
+                                  (np.full((3, 4), 96, dtype=dtype), IndexError,
+                                   r"token_pages\[0\] = 96 is out of range"),
+                                  (np.zeros((3, 4), dtype=dtype), ValueError, "more than once")):
+            with pytest.raises(error, match=match):
+                m.prefetch(keyspace(3, tag="bad"), bad)
 
 
 def test_both_paths_give_the_same_statuses_and_leave_failed_rows_untouched(movers, keyspace):

@@ -151,14 +151,14 @@ class StagedPages:
         object into it; one status per key. A get leaves the rows of a key that is not
         ``OK`` untouched. Staging that stays full for the mover's ``alloc_timeout`` (slots
         held by store calls given up) fails the call's keys, as a failed store call would."""
-        page_tensor = _page_tensor(pages)
+        page_array = _page_array(pages)
         if not put:
-            transfer = self.mover.prefetch(keys, page_tensor)
+            transfer = self.mover.prefetch(keys, page_array)
             statuses = transfer.wait()
             transfer.scattered.synchronize()
             return statuses
         try:
-            return self.mover.evict(keys, page_tensor).wait()
+            return self.mover.evict(keys, page_array).wait()
         except StagingFull as e:
             log.warning("kvmove SGLang backend: %s; %d pages not stored", e, len(keys))
             return [kvmove.Status.FAILED] * len(keys)
@@ -193,6 +193,7 @@ def _as_list(pages) -> list[int]:
     return pages if isinstance(pages, list) else pages.tolist()
 
 
-def _page_tensor(pages) -> torch.Tensor:
-    """Page numbers (an int64 array or a list) as the ``[n, 1]`` pages of the mover."""
-    return torch.from_numpy(np.asarray(pages, dtype=np.int64).reshape(-1, 1))
+def _page_array(pages) -> np.ndarray:
+    """Page numbers (an int64 array or a list) as the ``[n, 1]`` pages of the mover (a numpy
+    array: the mover takes it as it is, with no tensor made on the way)."""
+    return np.asarray(pages, dtype=np.int64).reshape(-1, 1)

@@ -12,6 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -689,9 +690,9 @@ def test_a_tenants_blocks_are_its_own(tmp_path, monkeypatch):
 @pytest.mark.parametrize("ids", [[], [7], [511, 3, 0, 42]])
 def test_block_pages_are_the_block_ids_as_one_token_pages(ids):
     pages = block_pages(ids)
-    assert pages.dtype == torch.int64 and tuple(pages.shape) == (len(ids), 1)
+    assert pages.dtype == np.int64 and tuple(pages.shape) == (len(ids), 1)
     assert pages.reshape(-1).tolist() == ids
-    ids.append(99)  # the caller's list is not the tensor's memory
+    ids.append(99)  # the caller's list is not the array's memory
     assert pages.shape[0] == len(ids) - 1
 
 
