@@ -59,7 +59,7 @@ class Descriptors:
     :func:`describe`, or directly from lists (which validates them).
     """
 
-    __slots__ = ("_nbytes", "keys", "ptrs", "regions", "sizes", "staging")
+    __slots__ = ("_nbytes", "_spans", "_total", "keys", "ptrs", "regions", "sizes", "staging")
 
     keys: list[str]
     ptrs: list[list[int]]
@@ -94,6 +94,7 @@ class Descriptors:
                 raise ValueError(f"key {keys[i]!r}: span addresses must be positive, got {p}")
         self.keys, self.ptrs, self.sizes = keys, ptrs, sizes
         self._nbytes = np.array([sum(s) for s in sizes], dtype=np.int64)
+        self._spans = self._total = None
         self.regions = tuple((int(a), int(n)) for a, n in regions)
         self.staging = None
 
@@ -103,6 +104,7 @@ class Descriptors:
         self = object.__new__(cls)
         self.keys, self.ptrs, self.sizes = keys, ptrs, sizes
         self._nbytes = nbytes
+        self._spans = self._total = None  # worked out on first use (the lists are read-only)
         self.regions = regions
         self.staging = staging
         return self
@@ -117,12 +119,16 @@ class Descriptors:
     @property
     def total_bytes(self) -> int:
         """The bytes of all objects together."""
-        return int(self._nbytes.sum())
+        if self._total is None:
+            self._total = int(self._nbytes.sum())
+        return self._total
 
     @property
     def num_spans(self) -> int:
         """The number of spans of all keys together (Mooncake's per-span cost)."""
-        return sum(map(len, self.ptrs))
+        if self._spans is None:
+            self._spans = sum(map(len, self.ptrs))
+        return self._spans
 
     def object_sizes(self) -> list[int]:
         """``nbytes(i)`` of every key, as a list."""
@@ -132,6 +138,8 @@ class Descriptors:
         """The descriptors of a contiguous range of keys (``desc[a:b]``)."""
         if not isinstance(index, slice):
             raise TypeError(f"Descriptors index must be a slice, got {type(index).__name__}")
+        if index.indices(len(self.keys)) == (0, len(self.keys), 1):  # all of it: itself
+            return self
         return Descriptors._trusted(
             self.keys[index], self.ptrs[index], self.sizes[index], self._nbytes[index],
             self.regions, self.staging,

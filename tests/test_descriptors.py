@@ -84,6 +84,13 @@ def test_slicing_and_select_keep_spans():
     picked = desc.select([3, 0])
     assert picked.keys == ["z", "w"] and span_bytes(picked, 0) == canonical(staging, 2, 2)
     assert picked.object_sizes() == [desc.nbytes(3), desc.nbytes(0)]
+    # span and byte counts (worked out once per descriptors) are each part's own
+    assert desc.num_spans == sum(map(len, desc.ptrs)) and desc.total_bytes == sum(
+        map(sum, desc.sizes))
+    for d in (part, picked, desc[3:], desc[:0], desc.with_trailer([1, 2, 3, 4], 8)):
+        assert d.num_spans == sum(map(len, d.ptrs)), d
+        assert d.total_bytes == sum(map(sum, d.sizes)), d
+    assert desc[0:4] is desc and desc[:] is desc and desc[:9] is desc  # all of it
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -984,14 +984,17 @@ class MooncakeStore:
             log.exception("closing a retired Mooncake client raised")
 
     # -- calls -----------------------------------------------------------------------------
-    def _batch(self, fn: Callable, keys: list[str], *args, here: bool = False) -> list[int]:
+    def _batch(self, fn: Callable, keys: list[str], *args, here: bool = False,
+               spans: int | None = None) -> list[int]:
         """One Mooncake batch call, bounded: its per-key results; ``CLIENT_EXCEPTION`` for
         every key when it raises; ``CALL_TIMEOUT`` for every key when it was given up (then
         the list's ``late`` is its future, for a data call, unless it ran ``here``:
-        :meth:`_bounded`); ``StoreError`` when it answers for a different number of keys."""
+        :meth:`_bounded`); ``StoreError`` when it answers for a different number of keys.
+        ``spans``: a data call's spans, where the caller knows them (counted otherwise)."""
         data = getattr(fn, "__name__", "") in _DATA_CALLS
-        outcome = self._bounded(fn, keys, *args, spans=sum(map(len, args[0])) if data else 0,
-                                here=here)
+        if data and spans is None:
+            spans = sum(map(len, args[0]))
+        outcome = self._bounded(fn, keys, *args, spans=spans if data else 0, here=here)
         return self._batch_codes(fn, keys, outcome, data)
 
     @staticmethod
@@ -1164,7 +1167,7 @@ class MooncakeStore:
             sub = part if todo is None else part.select(todo)
             result = first if first is not None else self._batch(
                 client.batch_put_from_multi_buffers, sub.keys, sub.ptrs, sub.sizes,
-                self._replicate)
+                self._replicate, spans=sub.num_spans)
             first = None
             late.append(getattr(result, "late", None))
             if late[-1] is not None:
@@ -1257,7 +1260,7 @@ class MooncakeStore:
 
     def _get_chunk(self, client, part: Descriptors, here: bool = False) -> list[int]:
         codes = self._batch(client.batch_get_into_multi_buffers, part.keys, part.ptrs,
-                            part.sizes, here=here)
+                            part.sizes, here=here, spans=part.num_spans)
         retry = ([i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
                  if LEASE_EXPIRED in codes else None)  # the scan in C first: mostly none
         if retry:
