@@ -850,18 +850,23 @@ class KVMover:
         n = len(call.keys)
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         pages, bad = self._host_pages(call, self._evict_stream)
-        good = _stored_keys(bad, n)
-        if bad is not None:
-            pages = pages[good]
-        desc = self._evict_rows.describe_trusted(
-            pages, self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
-            call.valid[good], get=False)
+        if bad is None:  # the usual case: every key, as called (no per-key selection)
+            good = None  # the positions of the keys described: all of them
+            desc = self._evict_rows.describe_trusted(
+                pages, self.keyspace.store_keys(call.keys), call.valid, get=False)
+        else:
+            good = _stored_keys(bad, n)
+            desc = self._evict_rows.describe_trusted(
+                pages[good], self.keyspace.store_keys([call.keys[i] for i in good.tolist()]),
+                call.valid[good], get=False)
         pending = self._late_keys
         if pending:  # a put of these keys given up earlier may still store them
             held = np.fromiter((k in pending for k in desc.keys), dtype=bool, count=len(desc))
             if held.any():
                 log.warning("evict: %d keys not stored: an earlier in-place put of them was "
                             "given up and has not returned", int(held.sum()))
+                if good is None:
+                    good = np.arange(n)
                 for i in good[held].tolist():
                     codes[i] = CALL_TIMEOUT
                 good = good[~held]
@@ -872,7 +877,7 @@ class KVMover:
         times = StageTimes(put=time.perf_counter() - t0)
         if len(got) == n:  # every key was put
             statuses, codes = got, got_codes
-        else:
+        else:  # some were not (good is set: bad rows, or keys held)
             for i, st, code in zip(good.tolist(), got, got_codes, strict=True):
                 statuses[i], codes[i] = st, code
         if late_stored is not None:
