@@ -177,6 +177,11 @@ class KVMover:
         # cpu-amd-epyc-2c-20261205-watched-calls).
         self._in_place_get_options = ({"until_returned": True} if _takes_keyword(
             getattr(store, "get", None), "until_returned") else {})
+        # The same for an in-place put in the background (on a put worker): it ends once
+        # Mooncake let go of the rows (a put given up too; what it stored late is removed
+        # then), as the engine, which holds the rows until the put ends, would wait anyway.
+        self._in_place_put_options = ({"until_returned": True} if _takes_keyword(
+            getattr(store, "put", None), "until_returned") else {})
         if not isinstance(prefetch_into_free_rows, bool):
             raise TypeError(f"prefetch_into_free_rows must be a bool, got "
                             f"{prefetch_into_free_rows!r}")
@@ -872,8 +877,10 @@ class KVMover:
                 good = good[~held]
                 desc = desc.select(np.flatnonzero(~held).tolist())
         t0 = time.perf_counter()
-        got, got_codes, _, late_stored = self._store_call(self.store.put, desc,
-                                                          **_put_options(call))
+        options = _put_options(call)
+        if threading.current_thread() is not threading.main_thread():
+            options.update(self._in_place_put_options)
+        got, got_codes, _, late_stored = self._store_call(self.store.put, desc, **options)
         times = StageTimes(put=time.perf_counter() - t0)
         if len(got) == n:  # every key was put
             statuses, codes = got, got_codes

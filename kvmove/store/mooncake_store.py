@@ -65,16 +65,16 @@ starts no put). Mooncake may still write into (get) or read from (put) the memor
 given up until it really returns (its own cap is 60 s): the result's ``late`` future completes
 then, and until then the store keeps the regions in use (``unregister`` refuses them) and a
 caller must not free or reuse that memory (:class:`kvmove.KVMover` holds the staging slots). A
-caller that would wait for ``late`` anyway asks ``get(..., until_returned=True)``: the reads run
-on its own thread, watched, given up at the same bound (the log, the ``CALL_TIMEOUT`` codes and
-the client's replacement come as above, from a watchdog thread), and the get returns once they
-really returned. A client whose call was given up may be broken towards that holder for good (a
-wedged TCP queue), so the store replaces it: a new client (no segment of its own; the first
-client stays open while it holds this process's segment), the same regions registered again.
-Calls already running on the old client (every chunk of a put or get that started there) finish
-there, and it is closed only once none runs on it. A new client is set up only against a master
-that answers (the probe above): while it does not, the old client stays in use and the next call
-given up tries again.
+caller that would wait for ``late`` anyway asks ``until_returned=True`` (``get``, ``put``): its
+data calls run on its own thread, watched, given up at the same bound (the log, the
+``CALL_TIMEOUT`` codes and the client's replacement come as above, from a watchdog thread), and
+the put or get returns once they really returned. A client whose call was given up may be broken
+towards that holder for good (a wedged TCP queue), so the store replaces it: a new client (no
+segment of its own; the first client stays open while it holds this process's segment), the same
+regions registered again. Calls already running on the old client (every chunk of a put or get
+that started there) finish there, and it is closed only once none runs on it. A new client is
+set up only against a master that answers (the probe above): while it does not, the old client
+stays in use and the next call given up tries again.
 
 Replica failover (:mod:`kvmove.store.replica_reader`): a key whose get failed in transport
 (``-800``: its first-listed replica's holder is dead) and that has another complete replica
@@ -1097,18 +1097,27 @@ class MooncakeStore:
             raise TypeError(f"expected kvmove.Descriptors (from describe()), got {type(desc)}")
         return desc
 
-    def put(self, desc: Descriptors, *, detect_exists: bool | None = None) -> StoreResult:
+    def put(self, desc: Descriptors, *, detect_exists: bool | None = None,
+            until_returned: bool = False) -> StoreResult:
         """Store each key's spans as one object. One :class:`Status` per key (``OK``,
         ``EXISTS``, ``NO_SPACE`` or ``FAILED``); ``.codes`` holds Mooncake's codes,
         ``.late`` the calls given up (module docstring).
 
         ``detect_exists`` (default ``config.detect_exists``): ask the master first which
         keys exist, to report them ``EXISTS`` and not send them. Without it a stored key
-        is reported ``OK`` (Mooncake keeps the stored object either way)."""
+        is reported ``OK`` (Mooncake keeps the stored object either way).
+
+        ``until_returned=True``: as :meth:`get`'s, for a caller that would wait for
+        ``.late`` anyway; the put runs on this thread, given up at ``call_timeout`` from
+        its own start, and ``.late`` is ``None`` (``.late_stored`` still says what a put
+        given up stored). The exists check, which names no memory, is still handed off
+        and answered at its bound (a check given up starts no put)."""
         desc = self._check_desc(desc)
+        if not isinstance(until_returned, bool):
+            raise TypeError(f"until_returned must be a bool, got {until_returned!r}")
         check = self.config.detect_exists if detect_exists is None else bool(detect_exists)
         with self._call_slot() as client:
-            return self._put(client, desc, check, None)
+            return self._put(client, desc, check, None, until_returned)
 
     def begin_put(self, keys: Sequence[str], *, detect_exists: bool | None = None
                   ) -> PendingPut:
@@ -1130,17 +1139,17 @@ class MooncakeStore:
             raise
         return PendingPut(self, client, keys, check, query)
 
-    def _put(self, client, desc: Descriptors, check: bool, flags: list[int] | None
-             ) -> StoreResult:
+    def _put(self, client, desc: Descriptors, check: bool, flags: list[int] | None,
+             here: bool = False) -> StoreResult:
         """A put on ``client``; ``flags``: the exists check's answer for ``desc``'s keys,
         when it was asked already (a check that stops the call ends every key with its
-        code, nothing sent)."""
+        code, nothing sent); ``here``: the calls run on this thread (:meth:`_bounded`)."""
         with self._using(client, desc) as uses:
             if flags is not None and _stops_the_call(flags):
                 codes = _Codes(flags)
             else:
                 codes = self._chunked(self._span_chunks(desc), lambda c: self._put_chunk(
-                    client, desc[c], check, None if flags is None else flags[c]))
+                    client, desc[c], check, None if flags is None else flags[c], here))
             uses.late = codes.late
         statuses = [Status.OK] * len(codes) if not any(codes) else map(_put_status, codes)
         result = StoreResult(statuses, codes, uses.late, _stored_late(codes.late_puts, uses.late))
@@ -1148,10 +1157,14 @@ class MooncakeStore:
         return result
 
     def _put_chunk(self, client, part: Descriptors, detect_exists: bool,
-                   flags: list[int] | None = None) -> list[int]:
+                   flags: list[int] | None = None, here: bool = False) -> list[int]:
         first = None  # the first put's codes, when the check's own call made it
         if detect_exists:
-            if flags is None:
+            if flags is None and here:
+                # The check names no memory: handed to the runner, given up at the bound
+                # (no put then), never waited for past it; the put runs here.
+                flags = self._batch(client.batch_is_exist, part.keys)
+            elif flags is None:
                 flags, first = self._check_then_put(client, part)
             if _stops_the_call(flags):
                 return flags
@@ -1167,7 +1180,7 @@ class MooncakeStore:
             sub = part if todo is None else part.select(todo)
             result = first if first is not None else self._batch(
                 client.batch_put_from_multi_buffers, sub.keys, sub.ptrs, sub.sizes,
-                self._replicate, spans=sub.num_spans)
+                self._replicate, here=here, spans=sub.num_spans)
             first = None
             late.append(getattr(result, "late", None))
             if late[-1] is not None:

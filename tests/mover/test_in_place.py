@@ -691,3 +691,36 @@ def test_an_in_place_get_runs_on_the_jobs_thread_and_ends_when_mooncake_returns(
         assert result.codes == [kvmove.status.CALL_TIMEOUT] * 2  # the second: not tried
         assert len(client.threads(GET)) == 5
         assert not set(client.threads(GET)[-1:]) & (runners | {main})
+
+
+def test_an_in_place_put_in_the_background_runs_on_its_worker_and_ends_when_mooncake_returns(
+        slow_calls, keyspace):
+    # A put in the background (the engine holds the rows until it ends) runs on the mover's
+    # put worker, with no hand-off to the store's runner; a put given up at the store's bound
+    # ends FAILED (CALL_TIMEOUT) once Mooncake has returned (no row is read after it), and
+    # what it stored late is removed then. An evict that puts on the caller's (main) thread
+    # hands the put off as before.
+    s, client = slow_calls
+    kv = kvmove.KVCache(GEOMETRIES["mla"](32))
+    keys, late = keyspace(2), keyspace(1, tag="late")
+    src = torch.arange(0, 8).reshape(2, 4)
+    main = threading.get_ident()
+    with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place",
+                        put_in_background=True) as m:
+        assert m.evict(keys, src).wait(30) == [Status.OK] * 2
+        runners = {t.ident for t in threading.enumerate() if t.name == "kvmove-call"}
+        assert len(client.threads(PUT)) == 2  # one key per call
+        assert not set(client.threads(PUT)) & (runners | {main})
+        client.delay[PUT] = 1.5
+        t0 = time.monotonic()
+        result = m.evict(late, src[:1]).result(30)
+        assert time.monotonic() - t0 >= 1.5  # ended once the put returned, not at 0.5 s
+        assert result.statuses == [Status.FAILED]
+        assert result.codes == [kvmove.status.CALL_TIMEOUT]
+        assert not set(client.threads(PUT)[-1:]) & (runners | {main})
+        client.delay.clear()
+        time.sleep(0.3)  # the removal runs in the late call's callback
+        assert m.prefetch(late, torch.arange(16, 20).reshape(1, 4)).wait(30) == [Status.MISS]
+    with kvmove.KVMover(kv, s, page_tokens=4, staging_slots=4, path="in_place") as m:
+        assert m.evict(keyspace(1, tag="inline"), src[1:]).wait(30) == [Status.OK]
+        assert client.threads(PUT)[-1] in runners  # on the main thread: handed off
