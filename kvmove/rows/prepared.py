@@ -111,6 +111,9 @@ class PreparedCopy:
         self.parts = tuple(parts)
         self.backends = frozenset(p.backend for p in parts)
         self.torch_only = self.backends <= {"torch"}
+        # Only the two-hop path reads the rows on the host (a layer-wise prefetch runs once
+        # per layer: the others skip looking where the rows are)
+        self.reads_host_rows = "two_hop" in self.backends
         self.src_rows_limit = next(iter(src.buffers.values())).num_rows
         self.dst_rows_limit = next(iter(dst.buffers.values())).num_rows
         # A gather or scatter of pages: KV rows and staging slots in range.
@@ -160,7 +163,8 @@ class PreparedCopy:
             self._run(src_rows, dst_rows, errors, plan, host_rows, pages)
 
     def _run(self, src_rows, dst_rows, errors, plan, host_rows, pages) -> None:
-        if host_rows is None and src_rows.device.type == dst_rows.device.type == "cpu":
+        if host_rows is None and self.reads_host_rows and (
+                src_rows.device.type == dst_rows.device.type == "cpu"):
             host_rows = (src_rows, dst_rows)
         if not self.parts:  # no layer to copy: the bad rows are counted all the same
             if errors is not None:  # where the rows are: no copy between host and device
