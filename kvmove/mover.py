@@ -180,6 +180,7 @@ class KVMover:
         # The same for an in-place put in the background (on a put worker): it ends once
         # Mooncake let go of the rows (a put given up too; what it stored late is removed
         # then), as the engine, which holds the rows until the put ends, would wait anyway.
+        # A put on the caller's thread (CPU, put_in_background off) keeps the bound.
         self._in_place_put_options = ({"until_returned": True} if _takes_keyword(
             getattr(store, "put", None), "until_returned") else {})
         if not isinstance(prefetch_into_free_rows, bool):
@@ -831,7 +832,7 @@ class KVMover:
                     raise KVMoveError("the KVMover is closed")
                 transfer.add_piece(0, self._put_in_place(call))
             return transfer
-        future = self._submit(self._put_in_place, call, executor=self._put_executor)
+        future = self._submit(self._put_in_place, call, True, executor=self._put_executor)
         transfer.add_piece(0, future)
         transfer.gathered = FutureEvent(future)
         return transfer
@@ -851,7 +852,10 @@ class KVMover:
                     self._inline -= 1
                     self._inline_done.notify_all()
 
-    def _put_in_place(self, call: Call) -> TransferResult:
+    def _put_in_place(self, call: Call, background: bool = False) -> TransferResult:
+        """The put of an in-place evict, on the caller's thread or, ``background``, on a put
+        worker (the engine holds the rows until it ends: there it waits for a put given up
+        to return, see ``_in_place_put_options``)."""
         n = len(call.keys)
         statuses, codes = [Status.FAILED] * n, [BAD_ROWS] * n
         pages, bad = self._host_pages(call, self._evict_stream)
@@ -878,7 +882,7 @@ class KVMover:
                 desc = desc.select(np.flatnonzero(~held).tolist())
         t0 = time.perf_counter()
         options = _put_options(call)
-        if threading.current_thread() is not threading.main_thread():
+        if background:
             options.update(self._in_place_put_options)
         got, got_codes, _, late_stored = self._store_call(self.store.put, desc, **options)
         times = StageTimes(put=time.perf_counter() - t0)
