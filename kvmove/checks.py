@@ -36,10 +36,12 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
                     ) -> torch.Tensor:
     """``value`` as an int32/int64 tensor of ``dim`` dimensions, on the CPU or ``device``,
     or a clear error naming ``name``. Lists and tuples of ints are accepted (int64), and
-    numpy int32/int64 arrays (on the CPU, sharing their memory unless read-only)."""
+    numpy int32/int64 arrays (on the CPU, sharing their memory unless read-only or with a
+    negative stride, which torch cannot view)."""
     if isinstance(value, np.ndarray):
         value = check_index_array(value, name, dim=dim)
-        return torch.from_numpy(value if value.flags.writeable else value.copy())
+        shared = value.flags.writeable and min(value.strides, default=0) >= 0
+        return torch.from_numpy(value if shared else value.copy())
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (list, tuple)):
             rows = value if dim == 2 else [value]

@@ -30,6 +30,10 @@ def test_as_index_tensor_takes_numpy_int_arrays():
     frozen = np.array([1, 2], dtype=np.int64)
     frozen.flags.writeable = False  # a read-only array is copied (torch warns otherwise)
     assert checks.as_index_tensor(frozen, "rows", dim=1).tolist() == [1, 2]
+    backwards = np.arange(4, dtype=np.int64)[::-1]  # torch has no negative strides: copied
+    assert checks.as_index_tensor(backwards, "rows", dim=1).tolist() == [3, 2, 1, 0]
+    columns = np.arange(6, dtype=np.int32).reshape(2, 3)[:, ::2]  # a view with a gap
+    assert checks.as_index_tensor(columns, "pages", dim=2).tolist() == [[0, 2], [3, 5]]
 
 
 @pytest.mark.parametrize(("value", "error", "match"), [
