@@ -304,7 +304,6 @@ def _steps(count: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=64)
 def unit_tokens(page_tokens: int, row_bytes: int) -> int:
     """The rows per unit the torch backend moves whole pages in: the largest divisor of
     ``page_tokens`` whose unit fits :data:`UNIT_BYTES` (1: row by row)."""
