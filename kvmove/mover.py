@@ -175,14 +175,12 @@ class KVMover:
         # unless that is the main thread (a caller that ran the job itself), where Mooncake's
         # reads measured slower than the hand-off saves (bench/results/
         # cpu-amd-epyc-2c-20261205-watched-calls).
-        self._in_place_get_options = ({"until_returned": True} if _takes_keyword(
-            getattr(store, "get", None), "until_returned") else {})
+        self._in_place_get_options = _until_returned(getattr(store, "get", None))
         # The same for an in-place put in the background (on a put worker): it ends once
         # Mooncake let go of the rows (a put given up too; what it stored late is removed
         # then), as the engine, which holds the rows until the put ends, would wait anyway.
         # A put on the caller's thread (CPU, put_in_background off) keeps the bound.
-        self._in_place_put_options = ({"until_returned": True} if _takes_keyword(
-            getattr(store, "put", None), "until_returned") else {})
+        self._in_place_put_options = _until_returned(getattr(store, "put", None))
         if not isinstance(prefetch_into_free_rows, bool):
             raise TypeError(f"prefetch_into_free_rows must be a bool, got "
                             f"{prefetch_into_free_rows!r}")
@@ -1030,6 +1028,12 @@ class Call:
 def _put_options(call: Call) -> dict:
     """The keyword arguments of the store's put for ``call``'s keys."""
     return {} if call.detect_exists is None else {"detect_exists": call.detect_exists}
+
+
+def _until_returned(fn) -> dict:
+    """The keyword arguments that make the store call ``fn`` return only once Mooncake has
+    (none where it takes no ``until_returned``)."""
+    return {"until_returned": True} if _takes_keyword(fn, "until_returned") else {}
 
 
 def _takes_keyword(fn, name: str) -> bool:
