@@ -1279,7 +1279,7 @@ class MooncakeStore:
         if retry:
             sub = part.select(retry)
             again = self._batch(client.batch_get_into_multi_buffers, sub.keys, sub.ptrs,
-                                sub.sizes, here=here)
+                                sub.sizes, here=here, spans=sub.num_spans)
             for i, code in zip(retry, again, strict=True):
                 codes[i] = code
             if getattr(again, "late", None) is not None:
