@@ -1254,16 +1254,21 @@ class MooncakeStore:
             raise TypeError(f"until_returned must be a bool, got {until_returned!r}")
         expected = desc.object_sizes()
         with self._call_slot() as client, self._using(client, desc) as uses:
-            codes = self._chunked(self._span_chunks(desc), lambda c: self._get_chunk(
-                client, desc[c], until_returned))
-            late = [codes.late]
+            chunks = self._span_chunks(desc)
+            if len(chunks) == 1:  # the usual case: one call on this thread
+                codes = self._get_chunk(client, desc, until_returned)
+            else:
+                codes = self._chunked(chunks, lambda c: self._get_chunk(
+                    client, desc[c], until_returned))
+            if codes == expected:  # the common case: every key read in full, in time
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("get of %d keys: all ok", len(codes))
+                return StoreResult([Status.OK] * len(codes), codes)
+            late = [getattr(codes, "late", None)]
             if TRANSFER_FAIL in codes:
                 late.append(self._failover(client, desc, codes))
             uses.late = settled(late)
-            if codes == expected:  # the common case: every key read in full
-                statuses = [Status.OK] * len(codes)
-            else:
-                statuses = self._get_statuses(client, desc.keys, codes, expected)
+            statuses = self._get_statuses(client, desc.keys, codes, expected)
         if until_returned and uses.late is not None:  # a failover's read given up
             uses.late.result()  # returns once the read has and its regions are released
             uses.late = None
