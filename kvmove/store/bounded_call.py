@@ -217,6 +217,24 @@ class Watchdog:
 _WATCHDOG = Watchdog(name="kvmove-call-watchdog")
 
 
+class _LateFuture:
+    """The future of a watched call that was given up, made by whichever of the watchdog
+    and the caller wants it first: a call that returns in time makes none (a future's
+    condition and its wake-up cost a visible part of a hot call)."""
+
+    __slots__ = ("_future", "_lock")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._future: Future | None = None
+
+    def get(self) -> Future:
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+            return self._future
+
+
 def call_watched(fn: Callable, *args, timeout: float,
                  on_late: Callable[[Future], None] | None = None,
                  watchdog: Watchdog | None = None) -> CallOutcome:
@@ -226,27 +244,27 @@ def call_watched(fn: Callable, *args, timeout: float,
     the outcome, taken once ``fn`` has returned, is that of a late call (``done`` False,
     ``late`` completed with what ``fn`` returned or raised). Returns only when ``fn`` has:
     for callers that would wait for a late call anyway."""
-    late: Future = Future()
+    token = _LateFuture()
     dog = watchdog or _WATCHDOG
-    dog.arm(late, (lambda: on_late(late)) if on_late is not None else (lambda: None),
+    dog.arm(token, (lambda: on_late(token.get())) if on_late is not None else (lambda: None),
             timeout)
     t0 = time.monotonic()
     try:
         value = fn(*args)
     except Exception as e:
-        in_time = dog.disarm(late)
-        late.set_exception(e)
-        if in_time:
+        if dog.disarm(token):
             return CallOutcome(True, error=e, seconds=time.monotonic() - t0)
+        late = token.get()
+        late.set_exception(e)
         return CallOutcome(False, late=late, seconds=time.monotonic() - t0)
     except BaseException as e:
-        dog.disarm(late)
-        late.set_exception(e)
+        if not dog.disarm(token):
+            token.get().set_exception(e)
         raise
-    in_time = dog.disarm(late)
-    late.set_result(value)
-    if in_time:
+    if dog.disarm(token):
         return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
+    late = token.get()
+    late.set_result(value)
     return CallOutcome(False, late=late, seconds=time.monotonic() - t0)
 
 

@@ -100,8 +100,11 @@ def test_a_watched_call_past_its_bound_is_given_up_then_and_returns_when_it_ends
     here = threading.get_ident()
     fired = []  # (seconds after the start, thread, the late future's state then)
 
+    handed: list = []  # the futures on_late was given
+
     def on_late(late):
         fired.append((time.monotonic() - t0, threading.get_ident(), late.done()))
+        handed.append(late)
 
     t0 = time.monotonic()
     out = call_watched(time.sleep, 1.0, timeout=0.2, on_late=on_late)
@@ -112,11 +115,13 @@ def test_a_watched_call_past_its_bound_is_given_up_then_and_returns_when_it_ends
     assert 0.2 <= at < 0.8 and thread != here and not was_done  # given up at the bound
     assert not out.done and out.late is not None and out.late.done()
     assert out.late.result() is None  # what the call returned
+    assert handed == [out.late] and handed[0] is out.late  # on_late saw the same future
     fired.clear()
     out = call_watched(lambda: time.sleep(0.5) or 1 / 0, timeout=0.1, on_late=on_late)
     assert len(fired) == 1 and not out.done
     with pytest.raises(ZeroDivisionError):
         out.late.result()
+    assert handed[-1] is out.late
 
 
 def test_the_watchdog_wakes_for_an_earlier_deadline_and_survives_a_raising_callback():
