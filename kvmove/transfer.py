@@ -151,13 +151,17 @@ class LayerProgress:
             self._cond.notify_all()
 
     def all_done(self, event=None) -> None:
-        """Every layer is in place (the last event covers them all)."""
+        """Every layer is in place (the last event covers them all): the transfer has
+        finished placing layers, so a ``finish()`` after it has nothing left to do."""
         with self._cond:
             self._all_event = event
             self._done = self.num_layers
+            self._finished = True
             self._cond.notify_all()
 
     def finish(self) -> None:
+        if self._finished:  # all_done() came first (set by the same job's thread)
+            return
         with self._cond:
             self._finished = True
             self._cond.notify_all()
