@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,6 +31,7 @@ from kvmove.checksum import TRAILER_BYTES, PageChecksum
 from kvmove.descriptors import Descriptors, describe_trusted
 from kvmove.errors import KVMoveError, StagingFull, StoreError
 from kvmove.in_place import InPlaceRows
+from kvmove.job_threads import JobThreads
 from kvmove.keys import KeySpace, RawKeys
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import LAYOUTS, StagingBuffer
@@ -248,11 +249,10 @@ class KVMover:
             if any("two_hop" in p.backends for p in (self._gather, self._scatter_all)):
                 self._rings = prepare_rings(kv.row_pool, self.staging.num_rows)
             self._warm_up()
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmove")
+        self._executor = JobThreads(workers, "kvmove")
         # Puts never wait for slots; prefetch jobs do: on one pool, prefetches waiting for
         # slots could hold every worker while the puts that free them wait in the queue.
-        self._put_executor = ThreadPoolExecutor(max_workers=workers,
-                                                thread_name_prefix="kvmove-put")
+        self._put_executor = JobThreads(workers, "kvmove-put")
         self._lock = threading.Lock()
         self._inline = 0  # in-place puts running on callers' threads (CPU evict)
         self._inline_done = threading.Condition(self._lock)
@@ -396,7 +396,7 @@ class KVMover:
         # has picked the job up runs it itself (no thread hand-off on its way).
         job = StealableJob(partial(self._get_in_place, call, layerwise, transfer.progress),
                            self._inline_run)
-        self._submit(job.run)
+        self._submit(job)
         transfer.add_piece(0, job)
         return transfer
 
@@ -601,11 +601,17 @@ class KVMover:
 
     def _submit(self, fn, *args, executor=None) -> Future:
         """Queue a background job, unless the mover was closed meanwhile (then the caller
-        frees its slots and the call raises ``KVMoveError``)."""
+        frees its slots and the call raises ``KVMoveError``): ``fn(*args)``, or ``fn``
+        itself where it is a job that reports its own result (a :class:`StealableJob`,
+        queued with no second future around it)."""
         with self._lock:
             if self._closed:
                 raise KVMoveError("the KVMover is closed")
-            return (executor or self._executor).submit(fn, *args)
+            threads = executor or self._executor
+            if isinstance(fn, StealableJob):
+                threads.start(fn)
+                return fn
+            return threads.submit(fn, *args)
 
     def _count(self, result: TransferResult, *, put: bool) -> None:
         with self._lock:
