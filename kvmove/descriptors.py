@@ -99,12 +99,16 @@ class Descriptors:
         self.staging = None
 
     @classmethod
-    def _trusted(cls, keys, ptrs, sizes, nbytes: np.ndarray, regions, staging) -> Descriptors:
-        """Wrap lists that :func:`describe` (or a slice) already validated."""
+    def _trusted(cls, keys, ptrs, sizes, nbytes: np.ndarray, regions, staging, *,
+                 num_spans: int | None = None, total_bytes: int | None = None
+                 ) -> Descriptors:
+        """Wrap lists that :func:`describe` (or a slice) already validated; ``num_spans``
+        and ``total_bytes`` where the caller knows them without a pass over the lists."""
         self = object.__new__(cls)
         self.keys, self.ptrs, self.sizes = keys, ptrs, sizes
         self._nbytes = nbytes
-        self._spans = self._total = None  # worked out on first use (the lists are read-only)
+        # else worked out on first use (the lists are read-only)
+        self._spans, self._total = num_spans, total_bytes
         self.regions = regions
         self.staging = staging
         return self

@@ -132,15 +132,20 @@ class InPlaceRows:
         self.zero_row = self._pad.address
         self.discard_row = self._pad.address + widest
         self._slot_ptrs = self._slot_sizes = None
+        self._slot_spans = None  # spans per slot in the lists, where every slot has as many
         if page_tokens == 1 and self.num_slots * self._size.size <= SLOT_TABLE_ROWS:
             every = np.arange(self.num_slots, dtype=np.int64)[:, None]
             addr = self._base + every * self._pitch
             if self._touching(addr).any():
                 self._slot_ptrs, self._slot_sizes = self._span_lists(
                     addr, None, np.ones(self.num_slots, np.int64))
+                counts = set(map(len, self._slot_ptrs))
+                if len(counts) == 1:
+                    self._slot_spans = counts.pop()
             else:  # no two spans of a slot touch: one size list for every slot
                 self._slot_ptrs = addr.tolist()
                 self._slot_sizes = [self._sizes_full] * self.num_slots
+                self._slot_spans = int(self._size.size)
 
     # -- memory ---------------------------------------------------------------------------
     def regions(self) -> list[tuple[int, int]]:
@@ -200,9 +205,12 @@ class InPlaceRows:
         if self._slot_ptrs is not None and (bad is None or not bad.any()):
             first = pages[:, 0].tolist()
             if min(first) >= 0:  # one-token pages, no padding: the prepared lists
+                spans = self._slot_spans
                 return Descriptors._trusted(keys, list(map(self._slot_ptrs.__getitem__, first)),
                                             list(map(self._slot_sizes.__getitem__, first)),
-                                            nbytes, regions, self)
+                                            nbytes, regions, self,
+                                            num_spans=None if spans is None else n * spans,
+                                            total_bytes=n * self.bytes_per_token)
         slots = pages[:, self._token]  # [n, spans]: the KV slot each span carries
         pad = slots < 0
         if bad is not None and bad.any():
@@ -218,7 +226,9 @@ class InPlaceRows:
                 touch &= ~pad[:, :-1] & ~pad[:, 1:]
             if not touch.any():  # every span its own: one 2-D list, one shared size list
                 return Descriptors._trusted(keys, addr.tolist(), [self._sizes_full] * n,
-                                            nbytes, regions, self)
+                                            nbytes, regions, self, num_spans=addr.size,
+                                            total_bytes=n * self.page_tokens
+                                            * self.bytes_per_token)
         ptrs, sizes = self._span_lists(addr, pad if padded else None, valid)
         return Descriptors._trusted(keys, ptrs, sizes, nbytes, regions, self)
 

@@ -36,6 +36,14 @@ def write_object(desc: kvmove.Descriptors, i: int, data: bytes) -> None:
         at += n
 
 
+def assert_counts(desc: kvmove.Descriptors) -> None:
+    """The span and byte counts the descriptors report (set when they were made, where
+    known) are those of their lists."""
+    assert desc.num_spans == sum(map(len, desc.ptrs))
+    assert desc.total_bytes == sum(map(sum, desc.sizes)) == sum(
+        desc.nbytes(i) for i in range(len(desc)))
+
+
 @st.composite
 def calls(draw):
     """A cache, a page size, a layout and pages of it: scattered or consecutive slots, some
@@ -74,6 +82,7 @@ def test_objects_in_place_are_the_staged_objects_byte_for_byte(call):
     staged = kvmove.describe(staging, slots, keys, valid_tokens=valid)
     rows = InPlaceRows(kv, page_tokens, layout)
     put = rows.describe(torch.from_numpy(pages), keys, valid_tokens=valid)
+    assert_counts(put)
     regions = rows.regions()
     for i in range(n):
         assert put.nbytes(i) == staged.nbytes(i)
@@ -168,11 +177,21 @@ def test_one_token_pages_use_the_prepared_lists_and_agree_with_the_general_path(
     pages = torch.tensor([[7], [3], [31], [0]])
     keys = ["a", "b", "c", "d"]
     prepared = InPlaceRows(kv, 1).describe(pages, keys)
+    assert_counts(prepared)
+    # The layers of one tensor [slots, layers, row]: a slot's rows run on, one span each.
+    merged = torch.arange(32 * 2 * 64, dtype=torch.int32).to(torch.uint8).reshape(32, 2, 64)
+    touching = kvmove.KVCache({"kv": [merged[:, 0], merged[:, 1]],
+                               "ix": [kv.layer("ix", 0), kv.layer("ix", 1)]})
+    one_span = InPlaceRows(touching, 1).describe(pages, keys)
+    assert [len(p) for p in one_span.ptrs] == [3] * 4  # "kv" merged, "ix" two layers
+    assert_counts(one_span)
     monkeypatch.setattr(in_place, "SLOT_TABLE_ROWS", 0)
     general = InPlaceRows(kv, 1)
     assert general._slot_ptrs is None
     desc = general.describe(pages, keys)
+    assert_counts(desc)
     assert desc.ptrs == prepared.ptrs and desc.sizes == prepared.sizes
+    assert InPlaceRows(touching, 1).describe(pages, keys).ptrs == one_span.ptrs
 
 
 @pytest.mark.parametrize(
