@@ -385,14 +385,18 @@ def describe_trusted(staging, slot_ids: np.ndarray | list[int], keys: list[str],
         if few.fits(n):  # Python ints cost less than numpy calls
             slots = slot_ids if type(slot_ids) is list else slot_ids.tolist()
             return Descriptors._trusted(keys, few.addresses(slots), [few.sizes] * n,
-                                        few.object_sizes(n), regions, staging)
+                                        few.object_sizes(n), regions, staging,
+                                        num_spans=n * len(few.sizes),
+                                        total_bytes=n * v * cols.bytes_per_token)
         slot_ids = np.asarray(slot_ids, dtype=np.int64)
         start = cols.starts(v)
         ptrs = cols.addresses(slot_ids)
         ptr_lists = (ptrs if start is None else ptrs[:, start]).tolist()
         nbytes = np.full(n, v * cols.bytes_per_token, dtype=np.int64)
-        return Descriptors._trusted(keys, ptr_lists, [cols.sizes(v)] * n, nbytes, regions,
-                                    staging)
+        sizes = cols.sizes(v)
+        return Descriptors._trusted(keys, ptr_lists, [sizes] * n, nbytes, regions, staging,
+                                    num_spans=n * len(sizes),
+                                    total_bytes=n * v * cols.bytes_per_token)
     slot_ids = np.asarray(slot_ids, dtype=np.int64)
     nbytes = vt * cols.bytes_per_token
     values, group_of = np.unique(vt, return_inverse=True)  # a few distinct page lengths

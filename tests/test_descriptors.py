@@ -34,6 +34,17 @@ def test_spans_are_the_canonical_object(geometry, valid_tokens):
         assert len(desc.ptrs[i]) == layers  # 6 slots: no two layers touch, nothing merged
     sizes = [len(canonical(staging, s, v)) for s, v in zip(slots, vts, strict=True)]
     assert desc.total_bytes == sum(sizes)
+    assert desc.num_spans == sum(map(len, desc.ptrs))
+
+
+@pytest.mark.parametrize("keys", [3, 40, 300])  # Python ints for a few spans, numpy above
+@pytest.mark.parametrize("valid_tokens", [None, 5])
+def test_span_and_byte_counts_are_those_of_the_lists(keys, valid_tokens):
+    staging = make_staging(GEOMETRIES["hybrid"], num_slots=keys, page_tokens=8, seed=2)
+    desc = kvmove.describe(staging, torch.arange(keys).flip(0), [f"k{i}" for i in range(keys)],
+                           valid_tokens=valid_tokens)
+    assert desc.num_spans == sum(map(len, desc.ptrs))
+    assert desc.total_bytes == sum(map(sum, desc.sizes))
 
 
 def test_span_addresses_follow_buffer_then_layer_order():
