@@ -161,7 +161,10 @@ class Watchdog:
         self.timeout = timeout
         self.name = name
         self._armed: dict[object, tuple[float, Callable[[], None]]] = {}
-        self._cond = threading.Condition()
+        # arm/disarm take the lock itself (a C lock: twice per watched call); the thread
+        # waits on the condition
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._wakes_at = float("inf")  # when the thread wakes next (inf: when notified)
         self._stopped = False
@@ -171,7 +174,7 @@ class Watchdog:
         """Watch the call ``token`` from now on: ``on_late()`` runs if it is not disarmed
         within ``timeout`` seconds (default :attr:`timeout`)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._cond:
+        with self._lock:
             self._armed[token] = (deadline, on_late)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name,
@@ -185,7 +188,7 @@ class Watchdog:
         """The call ``token`` returned: True when in time, False when the watchdog gave up
         on it (its ``on_late`` has run, runs, or is about to run on the watchdog's
         thread)."""
-        with self._cond:
+        with self._lock:
             return self._armed.pop(token, None) is not None
 
     def stop(self) -> None:
@@ -298,36 +301,46 @@ class SpanBudget:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken as it is where nobody waits (the usual case)
+        self._cond = threading.Condition(self._lock)
         self._used = 0
         self._releases = 0  # progress: calls that returned
+        self._waiting = 0  # acquires waiting for room
 
     def acquire(self, spans: int, timeout: float) -> int:
         """Wait until ``spans`` (at most ``limit``) are free and take them; the number taken,
         or 0 when no call returned for ``timeout`` seconds while waiting (the transport
         made no progress: calls that return, even slowly, keep a waiter waiting)."""
         want = max(1, min(spans, self.limit))
-        with self._cond:
-            seen = self._releases
-            deadline = time.monotonic() + timeout
-            while self._used + want > self.limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if self._releases == seen:
-                        return 0
-                    seen, deadline = self._releases, time.monotonic() + timeout
-                    continue
-                self._cond.wait(left)
+        with self._lock:
+            if self._used + want <= self.limit:  # room: no wait
+                self._used += want
+                return want
+            self._waiting += 1
+            try:
+                seen = self._releases
+                deadline = time.monotonic() + timeout
+                while self._used + want > self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if self._releases == seen:
+                            return 0
+                        seen, deadline = self._releases, time.monotonic() + timeout
+                        continue
+                    self._cond.wait(left)
+            finally:
+                self._waiting -= 1
             self._used += want
         return want
 
     def release(self, spans: int) -> None:
-        with self._cond:
+        with self._lock:
             self._used -= spans
             self._releases += 1
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     @property
     def in_flight(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._used

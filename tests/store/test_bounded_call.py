@@ -151,6 +151,27 @@ def test_span_budget_counts_spans_in_flight():
     assert budget.in_flight == 0
 
 
+def test_a_span_budget_waiter_is_woken_by_a_release_and_keeps_waiting_while_calls_return():
+    budget = SpanBudget(10)
+    assert budget.acquire(10, 1) == 10
+    got: list[tuple[int, float]] = []
+    waiter = threading.Thread(target=lambda: got.append((budget.acquire(4, 1.0),
+                                                         time.monotonic())))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while budget._waiting != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert budget._waiting == 1 and not got
+    budget.release(3)  # a call returned, but 3 spans are not room for 4: it waits on
+    time.sleep(1.2)  # past its 1 s bound: the release counted as progress
+    assert not got
+    released = time.monotonic()
+    budget.release(3)  # room now: woken at once, not at its next bound
+    waiter.join(5)
+    assert got and got[0][0] == 4 and got[0][1] - released < 0.5
+    assert budget.in_flight == 8 and budget._waiting == 0
+
+
 @pytest.mark.store
 def test_a_stalled_holder_ends_failed_at_the_bound_and_memory_waits_for_mooncake():
     bound = 2.0
