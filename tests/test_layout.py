@@ -25,12 +25,13 @@ LEVELS = {
     "kvmove.descriptors": 3, "kvmove.keys": 3, "kvmove.checksum": 3, "kvmove.in_place": 3,
     "kvmove.tuning": 4,
     "kvmove.store": 5,
-    "kvmove.transfer": 6, "kvmove.mover": 6, "kvmove.path_choice": 6, "kvmove.direct": 6,
+    "kvmove.transfer": 6, "kvmove.job_threads": 6, "kvmove.mover": 6, "kvmove.path_choice": 6,
+    "kvmove.direct": 6,
     "kvmove.cli": 7, "kvmove.integrations": 7,
     "kvmove": 7,  # the package root re-exports the public API: only tools import it
 }
 ROOT_MODULES = {"__init__", "errors", "status", "checks", "descriptors", "keys", "checksum",
-                "in_place", "transfer", "mover", "path_choice"}
+                "in_place", "transfer", "job_threads", "mover", "path_choice"}
 ROOT_PACKAGES = {"kernels", "memory", "rows", "tuning", "store", "direct", "cli",
                  "integrations"}
 
