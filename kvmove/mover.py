@@ -164,7 +164,7 @@ class KVMover:
     ):
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
-        check_positive_int(workers, "workers")
+        workers = check_positive_int(workers, "workers")
         alloc_timeout = check_seconds(alloc_timeout, "alloc_timeout", none_ok=True,
                                       zero_ok=True)
         self.kv = kv
@@ -396,7 +396,7 @@ class KVMover:
         # has picked the job up runs it itself (no thread hand-off on its way).
         job = StealableJob(partial(self._get_in_place, call, layerwise, transfer.progress),
                            self._inline_run)
-        self._submit(job)
+        self._start(job)
         transfer.add_piece(0, job)
         return transfer
 
@@ -600,18 +600,20 @@ class KVMover:
             yield pending.put
 
     def _submit(self, fn, *args, executor=None) -> Future:
-        """Queue a background job, unless the mover was closed meanwhile (then the caller
-        frees its slots and the call raises ``KVMoveError``): ``fn(*args)``, or ``fn``
-        itself where it is a job that reports its own result (a :class:`StealableJob`,
-        queued with no second future around it)."""
+        """Queue ``fn(*args)`` as a background job, unless the mover was closed meanwhile
+        (then the caller frees its slots and the call raises ``KVMoveError``)."""
         with self._lock:
             if self._closed:
                 raise KVMoveError("the KVMover is closed")
-            threads = executor or self._executor
-            if isinstance(fn, StealableJob):
-                threads.start(fn)
-                return fn
-            return threads.submit(fn, *args)
+            return (executor or self._executor).submit(fn, *args)
+
+    def _start(self, job: StealableJob) -> None:
+        """:meth:`_submit` of a job that reports its own result: queued as it is, with no
+        second future around it."""
+        with self._lock:
+            if self._closed:
+                raise KVMoveError("the KVMover is closed")
+            self._executor.start(job)
 
     def _count(self, result: TransferResult, *, put: bool) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,8 +133,9 @@ def _open_gates():
 def test_threads_evicting_and_prefetching_overlapping_keys(store, keyspace):
     threads, rounds, pool = 4, 16, 10
     kv = hybrid(threads * 2 * 3 * PAGE)
-    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=16, workers=3,
-                           key_prefix="overlap")
+    # workers as engines may compute it: a numpy int is an int
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=16,
+                           workers=np.int64(3), key_prefix="overlap")
     keys = keyspace(pool)
     stored_by: dict[str, list[bytes]] = defaultdict(list)  # bytes of each evict that was OK
     read: dict[str, list[bytes]] = defaultdict(list)  # bytes of each OK prefetch
