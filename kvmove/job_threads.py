@@ -11,9 +11,11 @@ two (an executor's second future and its idle semaphore) delays the waiter. Meas
 
 Threads start on demand, up to ``max_workers``, and stay until :meth:`JobThreads.shutdown`,
 which runs every job queued before it, then ends them. They are daemon threads; a process
-that exits without shutting them down runs the jobs queued until then first (at exit, as
-an executor's threads would), so that a put in flight is not dropped. ``JobThreads``
-dropped without a shutdown end their threads once their queue is empty.
+that exits without shutting them down runs the jobs queued until then first, where an
+executor's threads would (before the interpreter's own ``atexit`` hooks, such as a store's
+close), so that a put in flight is not dropped. ``JobThreads`` dropped without a shutdown
+(garbage) end their threads once their queue is empty; such a pool is not waited for at
+exit (a mover's queued jobs hold the mover, and so its pools, until they have run).
 """
 
 from __future__ import annotations
@@ -108,8 +110,10 @@ class JobThreads:
         self._shared = _Shared()
         self._threads: list[threading.Thread] = []
         self._shut = False
-        # Collected without a shutdown: the workers end once the jobs queued are done.
+        # Collected without a shutdown: the workers end once the jobs queued are done. Not
+        # at exit: _drain_at_exit shuts every live pool down there, jobs first.
         self._stop = weakref.finalize(self, _stop_workers, self._shared, self._threads)
+        self._stop.atexit = False
         _LIVE.add(self)
 
     def submit(self, fn, *args) -> Future:
@@ -152,9 +156,15 @@ class JobThreads:
             return len(self._threads)
 
 
-@atexit.register
 def _drain_at_exit() -> None:
     """Run the jobs still queued on threads nobody shut down (daemon threads would be
     stopped mid-job once the interpreter finalizes)."""
     for threads in list(_LIVE):
         threads.shutdown(wait=True)
+
+
+# Where concurrent.futures drains its executors: when the main thread ends, before the
+# atexit hooks (registered after this module's import, a hook such as store.close would
+# otherwise run first: they run last-registered first).
+_register = getattr(threading, "_register_atexit", atexit.register)
+_register(_drain_at_exit)

@@ -8,11 +8,14 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
 from kvmove.job_threads import JobThreads, QueuedCall
 from kvmove.transfer import StealableJob
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -156,18 +159,21 @@ def test_threads_dropped_without_a_shutdown_end_once_collected():
     assert _wait_for(lambda: not any(t.is_alive() for t in workers))
 
 
-def test_jobs_queued_at_exit_run_before_the_process_ends(tmp_path):
+def test_jobs_queued_at_exit_run_before_the_process_ends_and_its_atexit_hooks(tmp_path):
     """A process that never shuts its threads down still runs what it queued (a put in
-    flight is not dropped at exit)."""
+    flight is not dropped at exit), before the atexit hooks registered after the import
+    (a store's close there would fail the put)."""
     out = tmp_path / "ran"
     code = f"""
-import threading, time
+import atexit, threading, time
 from kvmove.job_threads import JobThreads
 threads = JobThreads(1, "t")
 gate = threading.Event()
+log = open({str(out)!r}, "w")
 threads.submit(gate.wait, 10)
-threads.submit(lambda: (time.sleep(0.3), open({str(out)!r}, "w").write("yes")))
+threads.submit(lambda: (time.sleep(0.3), log.write("job ")))
+atexit.register(lambda: (log.write("hook"), log.close()))
 threading.Timer(0.1, gate.set).start()
 """
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    assert out.read_text() == "yes"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
+    assert out.read_text() == "job hook"
