@@ -1281,9 +1281,10 @@ class MooncakeStore:
                     codes = self._chunked(chunks, lambda c: self._get_chunk(
                         client, desc[c], until_returned))
                 if codes == expected:  # the common case: every key read in full, in time
+                    result = StoreResult([Status.OK] * len(codes), codes)
                     if log.isEnabledFor(logging.DEBUG):
-                        log.debug("get of %d keys: all ok", len(codes))
-                    return StoreResult([Status.OK] * len(codes), codes)
+                        log.debug("get of %d keys: %s", len(codes), result.summary())
+                    return result
                 given_up = [getattr(codes, "late", None)]
                 if TRANSFER_FAIL in codes:
                     given_up.append(self._failover(client, desc, codes))
