@@ -37,7 +37,8 @@ def test_spans_are_the_canonical_object(geometry, valid_tokens):
     assert desc.num_spans == sum(map(len, desc.ptrs))
 
 
-@pytest.mark.parametrize("keys", [3, 40, 300])  # Python ints for a few spans, numpy above
+# Python ints for a few spans, numpy above; one slot: its layers touch, spans merge
+@pytest.mark.parametrize("keys", [1, 3, 40, 300])
 @pytest.mark.parametrize("valid_tokens", [None, 5])
 def test_span_and_byte_counts_are_those_of_the_lists(keys, valid_tokens):
     staging = make_staging(GEOMETRIES["hybrid"], num_slots=keys, page_tokens=8, seed=2)
@@ -45,6 +46,8 @@ def test_span_and_byte_counts_are_those_of_the_lists(keys, valid_tokens):
                            valid_tokens=valid_tokens)
     assert desc.num_spans == sum(map(len, desc.ptrs))
     assert desc.total_bytes == sum(map(sum, desc.sizes))
+    if keys == 1 and valid_tokens is None:  # whole pages of one slot: merged
+        assert desc.num_spans < sum(staging.num_layers(n) for n in staging.buffer_names)
 
 
 def test_span_addresses_follow_buffer_then_layer_order():

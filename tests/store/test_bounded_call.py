@@ -151,24 +151,41 @@ def test_span_budget_counts_spans_in_flight():
     assert budget.in_flight == 0
 
 
-def test_a_span_budget_waiter_is_woken_by_a_release_and_keeps_waiting_while_calls_return():
-    budget = SpanBudget(10)
-    assert budget.acquire(10, 1) == 10
+def _waiting_acquire(budget: SpanBudget, spans: int, timeout: float) -> tuple[threading.Thread,
+                                                                              list]:
+    """An acquire on another thread, started and waiting: its thread and [(taken, when)]."""
     got: list[tuple[int, float]] = []
-    waiter = threading.Thread(target=lambda: got.append((budget.acquire(4, 1.0),
+    waiter = threading.Thread(target=lambda: got.append((budget.acquire(spans, timeout),
                                                          time.monotonic())))
     waiter.start()
     deadline = time.monotonic() + 10
     while budget._waiting != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert budget._waiting == 1 and not got
-    budget.release(3)  # a call returned, but 3 spans are not room for 4: it waits on
-    time.sleep(1.2)  # past its 1 s bound: the release counted as progress
-    assert not got
+    return waiter, got
+
+
+def test_a_span_budget_waiter_is_woken_by_the_release_that_makes_room():
+    budget = SpanBudget(10)
+    assert budget.acquire(10, 1) == 10
+    waiter, got = _waiting_acquire(budget, 4, 30)
     released = time.monotonic()
-    budget.release(3)  # room now: woken at once, not at its next bound
-    waiter.join(5)
-    assert got and got[0][0] == 4 and got[0][1] - released < 0.5
+    budget.release(4)  # room: woken now, not at its 30-s bound
+    waiter.join(20)
+    assert got and got[0][0] == 4 and got[0][1] - released < 10
+    assert budget.in_flight == 10 and budget._waiting == 0
+
+
+def test_a_span_budget_waiter_counts_a_release_without_room_as_progress():
+    budget = SpanBudget(10)
+    assert budget.acquire(10, 1) == 10
+    waiter, got = _waiting_acquire(budget, 4, 2.0)
+    budget.release(3)  # a call returned, but 3 spans are not room for 4: it waits on
+    time.sleep(2.5)  # past its 2-s bound from its start: the release renewed it
+    assert not got
+    budget.release(3)  # room now
+    waiter.join(20)
+    assert got and got[0][0] == 4
     assert budget.in_flight == 8 and budget._waiting == 0
 
 
