@@ -6,8 +6,13 @@ future around it, and a worker that has finished a job goes straight back to the
 thread waiting for a job is woken by the job's ``set_result``, and then needs the GIL, which
 the worker holds until it blocks on the queue again: whatever the worker does between the
 two (an executor's second future and its idle semaphore) delays the waiter. Measured on a
-2-vCPU VM with cold caches, as after a transfer: a submit 26-27 -> 18 µs, the waiter back
-0-12 µs sooner.
+2-vCPU VM with cold caches, as after a transfer: a submit 25-26 -> 16-18 µs, the waiter back
+2-8 µs sooner (bench/results/cpu-amd-epyc-2c-20261205-lean-jobs/job_hand_off.txt).
+
+Not the store's :class:`~kvmove.store.bounded_call.CallRunner`, which starts a thread for
+every call that finds none idle (a stuck native call must never hold up another) and is
+never shut down: a mover's jobs need a cap (prefetch jobs wait for staging slots that the
+puts on a separate pool free) and a shutdown that waits for what was queued.
 
 Threads start on demand, up to ``max_workers``, and stay until :meth:`JobThreads.shutdown`,
 which runs every job queued before it, then ends them. They are daemon threads; a process
@@ -148,12 +153,6 @@ class JobThreads:
             for thread in threads:
                 if thread is not current:
                     thread.join()
-
-    @property
-    def num_threads(self) -> int:
-        """The workers started so far."""
-        with self._shared.lock:
-            return len(self._threads)
 
 
 def _drain_at_exit() -> None:

@@ -53,7 +53,7 @@ def test_a_job_object_runs_as_queued_and_reports_itself():
         job = StealableJob(lambda: "done", _allow)
         threads.start(job)
         assert job.result(10) == "done"
-        assert threads.num_threads == 1
+        assert len(threads._threads) == 1
     finally:
         threads.shutdown()
 
@@ -65,7 +65,7 @@ def test_jobs_on_one_worker_run_in_order_and_threads_never_exceed_the_cap():
     try:
         first = threads.submit(gate.wait, 10)
         rest = [threads.submit(order.append, i) for i in range(20)]
-        assert threads.num_threads == 1  # the only worker is busy: the jobs wait
+        assert len(threads._threads) == 1  # the only worker is busy: the jobs wait
         gate.set()
         first.result(10)
         for f in rest:
@@ -88,7 +88,7 @@ def test_a_second_worker_starts_while_the_first_is_busy_and_an_idle_one_is_reuse
         assert _wait_for(lambda: threads._shared.idle == 2)
         for _ in range(10):  # idle workers take these: no third thread, though allowed
             threads.submit(time.sleep, 0).result(10)
-        assert threads.num_threads == 2
+        assert len(threads._threads) == 2
     finally:
         threads.shutdown()
 
@@ -132,7 +132,7 @@ def test_a_job_whose_run_raises_leaves_the_worker_up(caplog):
     try:
         threads.start(Broken())
         assert threads.submit(lambda: 7).result(10) == 7
-        assert threads.num_threads == 1
+        assert len(threads._threads) == 1
         assert "broken job" in caplog.text
     finally:
         threads.shutdown()
