@@ -10,20 +10,27 @@ Two workloads:
   place; HiSparse's DSA rows).
 
 Methods, interleaved in every repeat (the order rotates; ``gc.collect()`` before every
-timed call): the floor (``batch_is_exist`` +
-``batch_put_from_multi_buffers``, the EXISTS check that gives the mover's statuses; and
-``batch_get_into_multi_buffers``), for reference the floor put without the EXISTS check and
-the floor get issued from a worker thread and waited for (what a prefetch that returns at
-once, as ``KVMover.prefetch`` does, cannot avoid: a thread hand-off),
-and ``KVMover`` evict + wait / prefetch + wait with ``path="auto"`` (what it picks is
-reported; built as by default, and with ``prefetch_into_free_rows=True`` as the vLLM
-connector builds it), ``"staged"`` and ``"in_place"``. The floor's span lists are built before its
-clock starts: it is the store's own time. Every get is checked byte for byte. The ratios
+timed call, then ``--settle`` seconds asleep, none by default): the floor
+(``batch_is_exist`` + ``batch_put_from_multi_buffers``, the EXISTS check that gives the
+mover's statuses; and ``batch_get_into_multi_buffers``), for reference the floor put without
+the EXISTS check, the floor get issued from a worker thread and waited for (what a prefetch
+that returns at once, as ``KVMover.prefetch`` does, cannot avoid: a thread hand-off), and
+the floor with its span lists built inside its clock (numpy arithmetic and one
+``tolist()``, as an engine's own connector builds them for every call), and ``KVMover``
+evict + wait / prefetch + wait with ``path="auto"`` (what it picks is reported; built as by
+default, and with ``prefetch_into_free_rows=True`` as the vLLM connector builds it),
+``"staged"`` and ``"in_place"``. The floor's span lists are built before its clock starts:
+it is the store's own time. Every get is checked byte for byte. The ratios
 to the floor are medians of per-repeat ratios (each method against the floor of the same
 repeat, measured within milliseconds of each other, so that the machine's load, which
 drifts over seconds on a shared machine, cancels), with their quartiles.
 
-    python -m bench.bench_in_place [--quick] [--repeat N] [--json PATH]
+``--settle`` measures a machine at rest between calls: on a 2-vCPU VM a thread that has
+just run Python (``gc.collect()``, or an engine's own work) makes the next few ms of Mooncake
+reads on it slower than a rested thread does, so the floor (made on the calling thread)
+gains from a rest and a mover that reads on a worker thread does not.
+
+    python -m bench.bench_in_place [--quick] [--repeat N] [--settle S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ WORKLOADS = {
     "block rows": (32, 16384, 1, 96, 1.05),
     "token rows": (61, 656, 16, 48, 1.0),
 }
+# The floor with its span lists made inside its clock (as an engine's own connector makes them
+# for every call): what part of the gap to the floor is describing the rows at all.
+SPANS_BUILT = "floor {op} (spans built in the clock)"
 
 
 def workload_pages(pages: int, page_tokens: int, num_slots: int, seed: int
@@ -115,19 +125,28 @@ def run_workload(name: str, store, args) -> dict:
             assert torch.equal(cache[:, slot], want[i]), f"{name} {tag}: loaded bytes differ"
         cache[:, dst.reshape(-1)] = 0
 
-    def floor_put(keys, exists_check=True):
+    def floor_put(keys, exists_check=True, spans=src_spans):
+        if spans is None:  # built in the clock
+            spans = floor_spans(cache, src)
         todo = range(pages)
         if exists_check:
             flags = client.batch_is_exist(keys)
             todo = [i for i, f in enumerate(flags) if f != 1]
         codes = client.batch_put_from_multi_buffers([keys[i] for i in todo],
-                                                    [src_spans[i] for i in todo],
+                                                    [spans[i] for i in todo],
                                                     [sizes[i] for i in todo])
         assert all(c == 0 for c in codes), codes[:4]
 
-    def floor_get(keys):
-        codes = client.batch_get_into_multi_buffers(keys, dst_spans, sizes)
+    def floor_get(keys, spans=dst_spans):
+        if spans is None:  # built in the clock
+            spans = floor_spans(cache, dst)
+        codes = client.batch_get_into_multi_buffers(keys, spans, sizes)
         assert codes == [object_bytes] * pages, codes[:4]
+
+    def settle() -> None:  # outside the clock, before every timed call alike
+        gc.collect()
+        if args.settle:
+            time.sleep(args.settle)
 
     worker = ThreadPoolExecutor(max_workers=1)
 
@@ -146,8 +165,9 @@ def run_workload(name: str, store, args) -> dict:
         times: dict[str, float] = {}
         keys = {who: [f"{uuid.uuid4().hex[:12]}-{i}" for i in range(pages)] for who in names}
         keys["floor (no EXISTS check)"] = [f"{uuid.uuid4().hex[:12]}-n{i}" for i in range(pages)]
+        keys["floor (spans built)"] = [f"{uuid.uuid4().hex[:12]}-b{i}" for i in range(pages)]
         for who in order:
-            gc.collect()  # outside the clock, before every timed call alike
+            settle()
             t0 = time.perf_counter()
             if who == "floor":
                 floor_put(keys[who])
@@ -155,12 +175,16 @@ def run_workload(name: str, store, args) -> dict:
                 mover_put(who.split()[1], keys[who])
             times[f"{who} put"] = time.perf_counter() - t0
             if who == "floor":
-                gc.collect()
+                settle()
                 t0 = time.perf_counter()
                 floor_put(keys["floor (no EXISTS check)"], exists_check=False)
                 times["floor put (no EXISTS check)"] = time.perf_counter() - t0
+                settle()
+                t0 = time.perf_counter()
+                floor_put(keys["floor (spans built)"], spans=None)
+                times[SPANS_BUILT.format(op="put")] = time.perf_counter() - t0
         for who in order:
-            gc.collect()
+            settle()
             t0 = time.perf_counter()
             if who == "floor":
                 floor_get(keys[who])
@@ -169,11 +193,16 @@ def run_workload(name: str, store, args) -> dict:
             times[f"{who} get"] = time.perf_counter() - t0
             check_and_clear(who)
             if who == "floor":
-                gc.collect()
+                settle()
                 t0 = time.perf_counter()
                 worker.submit(floor_get, keys[who]).result()
                 times["floor get (from a worker thread)"] = time.perf_counter() - t0
                 check_and_clear("floor from a worker thread")
+                settle()
+                t0 = time.perf_counter()
+                floor_get(keys[who], spans=None)
+                times[SPANS_BUILT.format(op="get")] = time.perf_counter() - t0
+                check_and_clear("floor with its spans built in the clock")
         store.remove([k for ks in keys.values() for k in ks], force=True)
         if r >= args.warmup:
             for what, s in times.items():
@@ -187,7 +216,8 @@ def run_workload(name: str, store, args) -> dict:
                                                     rows[f"floor {op}"], strict=True)]
               for who in PATHS for op in ("put", "get")}
     for ref, op in (("floor put (no EXISTS check)", "put"),
-                    ("floor get (from a worker thread)", "get")):
+                    ("floor get (from a worker thread)", "get"),
+                    (SPANS_BUILT.format(op="put"), "put"), (SPANS_BUILT.format(op="get"), "get")):
         paired[ref] = [a / b for a, b in zip(rows[ref], rows[f"floor {op}"], strict=True)]
     ratio = {k: statistics.median(v) for k, v in paired.items()}
     quartiles = {k: [float(q) for q in np.quantile(v, [0.25, 0.75])]
@@ -196,7 +226,8 @@ def run_workload(name: str, store, args) -> dict:
         "workload": name, "layers": layers, "row_bytes": row_bytes,
         "page_tokens": page_tokens, "pages": pages, "object_bytes": object_bytes,
         "total_bytes": total, "spans_per_key_in_place": layers * page_tokens,
-        "repeats": args.repeat, "auto_path": chosen.path, "auto_reason": chosen.reason,
+        "repeats": args.repeat, "settle_s": args.settle,
+        "auto_path": chosen.path, "auto_reason": chosen.reason,
         "auto_free_rows_path": chosen_free.path, "auto_free_rows_reason": chosen_free.reason,
         "median_ms": {k: v * 1e3 for k, v in med.items()},
         "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
@@ -227,7 +258,9 @@ def report(result: dict, console: Console) -> None:
                             f"x {w['row_bytes']} B x {w['layers']} layers "
                             f"({w['object_bytes'] / 1024:.0f} KiB objects, "
                             f"{w['spans_per_key_in_place']} spans per key in place), "
-                            f"median of {w['repeats']}")
+                            f"median of {w['repeats']}"
+                            + (f", {w['settle_s'] * 1e3:g} ms asleep before each call"
+                               if w.get("settle_s") else ""))
         for col in ("method", "median ms", "spread", "/ floor (paired, quartiles)"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for op in ("put", "get"):
@@ -259,9 +292,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a quarter of the pages, 3 repeats")
     p.add_argument("--pages", type=int, default=None, help="pages per call (both workloads)")
     p.add_argument("--layers", type=int, default=None, help="layers (both workloads)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="seconds asleep after the gc.collect() before every timed call "
+                        "(a machine at rest between calls; default 0)")
     p.add_argument("--json", nargs="?", const=str(RESULTS / "bench_in_place.json"),
                    default=None, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if not 0 <= args.settle <= 10:
+        p.error(f"--settle must be 0-10 seconds, got {args.settle}")
     if args.quick:
         args.repeat = 3
     return results.finish_suite(run(args), report, Path(args.json) if args.json else None)

@@ -184,7 +184,9 @@ def suite_section(name: str, suite: dict) -> list[str]:
                 f"reading and writing the KV rows in place, same client and store), "
                 f"{w['workload']}: {w['pages']} pages x {w['page_tokens']} tokens x "
                 f"{w['row_bytes']} B x {w['layers']} layers ({w['spans_per_key_in_place']} "
-                f"spans per key in place), medians of {w['repeats']}:", "",
+                f"spans per key in place), medians of {w['repeats']}"
+                + (f", {w['settle_s'] * 1e3:g} ms asleep before each call"
+                   if w.get("settle_s") else "") + ":", "",
                 "| method | median ms | spread | / floor (median of paired ratios, "
                 "quartiles) |", "|---|---:|---:|---:|"]
         for op in ("put", "get"):

@@ -188,18 +188,32 @@ def test_in_place_benchmark_runs_end_to_end_and_reports(tmp_path):
 
     out = tmp_path / "in_place.json"
     assert bench_in_place.main(["--pages", "2", "--layers", "2", "--repeat", "1",
-                                "--warmup", "0", "--json", str(out)]) == 0
+                                "--warmup", "0", "--settle", "0.001", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [w["workload"] for w in result["in_place"]] == ["block rows", "token rows"]
     for w in result["in_place"]:
         for who in ("floor", "KVMover auto", "KVMover auto+free_rows", "KVMover staged",
                     "KVMover in_place"):
             assert w["median_ms"][f"{who} put"] > 0 and w["median_ms"][f"{who} get"] > 0
+        for op in ("put", "get"):  # the floor with its spans built inside its clock
+            assert w["median_ms"][f"floor {op} (spans built in the clock)"] > 0
+            assert w["over_floor"][f"floor {op} (spans built in the clock)"] > 0
+        assert w["settle_s"] == 0.001
         assert w["auto_path"] in ("staged", "in_place", "mixed")
         assert set(w["met"]) == {"put", "get"}
     md = "\n".join(report.suite_section("in_place", result))
     assert "in-place floor" in md and "| floor get |" in md and "`auto` picked" in md
     assert "`prefetch_into_free_rows=True`" in md
+    assert "| floor get (spans built in the clock) |" in md
+    assert "1 ms asleep before each call" in md
+
+
+def test_the_in_place_benchmark_refuses_a_bad_settle():
+    from bench import bench_in_place
+
+    for bad in ("-1", "11"):
+        with pytest.raises(SystemExit):
+            bench_in_place.main(["--settle", bad])
 
 
 def test_the_vllm_report_gives_times_and_bytes_only_where_bytes_moved():
