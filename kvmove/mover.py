@@ -388,13 +388,19 @@ class KVMover:
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
-        if self._prefetch_rows is None:
-            transfer.add_piece(0, self._submit(self._get_job, call, layerwise,
-                                               transfer.progress))
+        if self._prefetch_rows is None and layerwise:
+            # Staged, layer by layer: the engine waits for each layer while the next ones are
+            # scattered, so a waiter must never run the whole job itself.
+            transfer.add_piece(0, self._submit(self._get_job, call, True, transfer.progress))
             return transfer
-        # In place, every layer lands with the one get: a caller that waits before a worker
-        # has picked the job up runs it itself (no thread hand-off on its way).
-        job = StealableJob(partial(self._get_in_place, call, layerwise, transfer.progress),
+        # Every layer lands at once (in place, with the one get; staged, with the scatter
+        # after it): a caller that waits before a worker has picked the job up runs it
+        # itself, with no thread hand-off on its way. On a machine whose idle cores are
+        # slow to wake, a worker woken after a rest also copies slower for a while: a staged
+        # get then scattered 1.7x slower on a worker than on the waiting caller
+        # (bench/results/cpu-amd-epyc-2c-20261205-spans-built).
+        job = StealableJob(partial(self._get_in_place if self._prefetch_rows is not None
+                                   else self._get_job, call, layerwise, transfer.progress),
                            self._inline_run)
         self._start(job)
         transfer.add_piece(0, job)

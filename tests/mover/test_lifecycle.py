@@ -371,20 +371,23 @@ def test_valid_tokens_are_taken_at_call_time(store, keyspace, monkeypatch, kind)
             assert page_bytes(kv, p) == want[i]
 
 
-@pytest.mark.parametrize("call", ["prefetch", "evict"])
-def test_close_waits_for_in_place_work_on_a_callers_thread(store, keyspace, call):
-    # In place on the CPU a caller's thread runs the store call itself: an evict always, a
-    # prefetch when its wait() finds the job not started. A caller paused between deciding
-    # to run it and being counted (widened here to 0.3 s) must either be refused or be
-    # waited for by close(): never run after close() returned (it would register the KV
-    # memory again, and write a padding row into freed memory).
+@pytest.mark.parametrize(("call", "path"), [("prefetch", "in_place"), ("evict", "in_place"),
+                                           ("prefetch", "staged")])
+def test_close_waits_for_work_on_a_callers_thread(store, keyspace, call, path):
+    # A caller's thread runs the store call itself: in place on the CPU an evict always, and
+    # a prefetch (in place or staged) when its wait() finds the job not started. A caller
+    # paused between deciding to run it and being counted (widened here to 0.3 s) must
+    # either be refused or be waited for by close(): never run after close() returned (in
+    # place it would register the KV memory again and write a padding row into freed memory;
+    # staged, get into freed staging).
     kv = hybrid(64)
     mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
-                           path="in_place", key_prefix=f"late-{call}")
+                           path=path, key_prefix=f"late-{call}-{path}")
     keys = keyspace(2)
-    regions = set(mover._rows.regions())
+    regions = set((mover._rows or mover.staging).regions())
     ran_at: list[float] = []
-    job = "_get_in_place" if call == "prefetch" else "_put_in_place"
+    job = ("_put_in_place" if call == "evict" else
+           "_get_in_place" if path == "in_place" else "_get_job")
     inner_job, inner_guard = getattr(mover, job), mover._inline_run
 
     def timed(*args):
@@ -434,13 +437,80 @@ def test_close_waits_for_in_place_work_on_a_callers_thread(store, keyspace, call
     assert not regions & set(registered_regions(store))
 
 
+def _busy_worker_and_job_threads(mover):
+    """Occupy the mover's only worker until the returned event is set; record on which
+    thread each staged prefetch job runs (the list returned)."""
+    ran_on: list[threading.Thread] = []
+    inner = mover._get_job
+
+    def recorded(*args):
+        ran_on.append(threading.current_thread())
+        return inner(*args)
+
+    mover._get_job = recorded
+    gate = threading.Event()
+    mover._executor.submit(gate.wait, 30)
+    return gate, ran_on
+
+
+def test_a_waiting_caller_runs_a_queued_staged_prefetch_itself(store, keyspace):
+    # Staged, every layer at once: a caller whose unbounded wait() finds the job still
+    # queued (the only worker busy) runs it on its own thread (no hand-off, no wait for a
+    # worker to wake), with the same statuses and bytes.
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
+                           path="staged", key_prefix="staged-steal")
+    keys = keyspace(3)
+    assert mover.evict(keys[:2], pages(0, 2)).wait() == [Status.OK] * 2
+    gate, ran_on = _busy_worker_and_job_threads(mover)
+    try:
+        t = mover.prefetch(keys, pages(8, 3))
+        assert t.wait() == [Status.OK, Status.OK, Status.MISS]
+    finally:
+        gate.set()
+    assert ran_on == [threading.current_thread()]
+    for src, dst in zip(pages(0, 2), pages(8, 2), strict=True):
+        assert page_bytes(kv, dst) == page_bytes(kv, src)
+    mover.close()
+
+
+def test_a_layerwise_staged_prefetch_is_left_to_a_worker(store, keyspace):
+    # Layer by layer the engine waits for each layer while the next ones are scattered: a
+    # waiter that ran the whole job itself would return from wait_layer(0) only once every
+    # layer is in place. It waits for the worker instead.
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
+                           path="staged", key_prefix="staged-layerwise")
+    keys = keyspace(2)
+    assert mover.evict(keys, pages(0, 2)).wait() == [Status.OK] * 2
+    gate, ran_on = _busy_worker_and_job_threads(mover)
+    try:
+        t = mover.prefetch(keys, pages(8, 2), layerwise=True)
+        waiters = [threading.Thread(target=t.wait_layer, args=(0,)),
+                   threading.Thread(target=t.wait)]
+        for w in waiters:
+            w.start()
+        time.sleep(0.3)
+        assert ran_on == [] and all(w.is_alive() for w in waiters)
+    finally:
+        gate.set()
+    for w in waiters:
+        w.join(30)
+    assert t.wait(30) == [Status.OK] * 2
+    assert len(ran_on) == 1 and ran_on[0].name.startswith("kvmove")
+    for src, dst in zip(pages(0, 2), pages(8, 2), strict=True):
+        assert page_bytes(kv, dst) == page_bytes(kv, src)
+    mover.close()
+
+
+@pytest.mark.parametrize("path", ["in_place", "staged"])
 @pytest.mark.parametrize("how", ["wait", "wait_layer"])
-def test_a_bounded_wait_never_runs_a_queued_in_place_prefetch_itself(store, keyspace, how):
+def test_a_bounded_wait_never_runs_a_queued_prefetch_itself(store, keyspace, how, path):
     # An engine polling a prefetch with a timeout must get its TimeoutError on time: the
     # store call is not run on its thread (it may take longer than the timeout).
     kv = hybrid(64)
     mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
-                           path="in_place", key_prefix="bounded")
+                           path=path, key_prefix=f"bounded-{path}")
     keys = keyspace(1)
     assert mover.evict(keys, pages(0, 1)).wait() == [Status.OK]
     gate = threading.Event()
