@@ -384,7 +384,9 @@ class KVMover:
         returns as soon as layer ``l`` is in place. Rows of missing or failed keys are left
         untouched. ``valid_tokens`` must match what the pages were evicted with; a page's rows
         past its valid tokens are left alone (the object does not hold them). Returns as soon
-        as the work is scheduled."""
+        as the work is scheduled; a ``wait()`` without a timeout that finds no worker started
+        on it yet runs it on the waiting thread (except a staged layer-wise prefetch, which
+        a worker runs)."""
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
