@@ -254,7 +254,9 @@ class KVMover:
         # slots could hold every worker while the puts that free them wait in the queue.
         self._put_executor = JobThreads(workers, "kvmove-put")
         self._lock = threading.Lock()
-        self._inline = 0  # in-place puts running on callers' threads (CPU evict)
+        # transfers running on callers' threads: in-place puts (CPU evict), and prefetches
+        # a waiter runs itself
+        self._inline = 0
         self._inline_done = threading.Condition(self._lock)
         self._stats = MoverStats(statuses={s: 0 for s in Status})
         self._closed = False
@@ -385,8 +387,8 @@ class KVMover:
         untouched. ``valid_tokens`` must match what the pages were evicted with; a page's rows
         past its valid tokens are left alone (the object does not hold them). Returns as soon
         as the work is scheduled; a ``wait()`` without a timeout that finds no worker started
-        on it yet runs it on the waiting thread (except a staged layer-wise prefetch, which
-        a worker runs)."""
+        on it yet runs it on the waiting thread, as does an unbounded ``wait_layer()``
+        (except a staged layer-wise prefetch, which a worker runs)."""
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
@@ -493,7 +495,7 @@ class KVMover:
             first, self._closed = not self._closed, True
         self._executor.shutdown(wait=True)
         self._put_executor.shutdown(wait=True)
-        with self._inline_done:  # in-place puts on callers' threads
+        with self._inline_done:  # transfers on callers' threads
             self._inline_done.wait_for(lambda: self._inline == 0)
         if not first:
             return

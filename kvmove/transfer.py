@@ -68,9 +68,10 @@ class StealableJob(Future):
         return not claimed
 
     def _execute(self) -> None:
+        fn, self._fn = self._fn, None  # the job's arguments are not kept alive once it ran
         self.set_running_or_notify_cancel()
         try:
-            self.set_result(self._fn())
+            self.set_result(fn())
         except BaseException as e:  # surfaced by result(), as a worker's would be
             self.set_exception(e)
 
@@ -193,7 +194,7 @@ class LayerProgress:
 class ScatterEvent:
     """The completion of a prefetch's scatter, usable where a CUDA event is: ``wait(stream)``
     (so ``stream.wait_event(t.scattered)`` works), ``synchronize()``, ``query()``. The
-    scatter is enqueued by a worker once the get has finished, so ``wait`` and
+    scatter is enqueued by a worker (or a waiter) once the get has finished, so ``wait`` and
     ``synchronize`` first wait on the host for that; on the CPU they return once the rows
     are copied."""
 

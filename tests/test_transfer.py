@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
@@ -122,6 +124,20 @@ def test_a_waiter_runs_the_job_no_worker_has_started_and_the_worker_then_skips_i
     assert job.result() == 42 and job.done()
     job.run()  # the worker comes late: nothing to do
     assert runs == [threading.current_thread().name] and guarded == ["enter", "exit"]
+
+
+def test_a_job_drops_its_function_once_run():
+    # The job's arguments (a prefetch's call, its index copies) are not kept alive by the
+    # transfer that holds the job.
+    class Arg:
+        pass
+
+    arg = Arg()
+    ref = weakref.ref(arg)
+    job = StealableJob(partial(lambda a: 5, arg), counting_guard([]))
+    del arg
+    assert ref() is not None
+    assert job.result() == 5 and ref() is None
 
 
 def test_a_bounded_wait_never_runs_the_job_it_waits_for():

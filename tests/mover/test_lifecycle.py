@@ -391,6 +391,7 @@ def test_close_waits_for_work_on_a_callers_thread(store, keyspace, call, path):
     inner_job, inner_guard = getattr(mover, job), mover._inline_run
 
     def timed(*args):
+        time.sleep(0.3)  # a run close() did not wait for would end well after it returned
         try:
             return inner_job(*args)
         finally:
@@ -426,7 +427,9 @@ def test_close_waits_for_work_on_a_callers_thread(store, keyspace, call, path):
     time.sleep(0.1)  # the caller is paused before the count
     closer = threading.Thread(target=mover.close)
     closer.start()
-    time.sleep(0.05)
+    # The worker stays busy until the paused caller has decided (0.3 s): a prefetch's job is
+    # still unclaimed then, so the guard alone decides whether the caller runs it.
+    time.sleep(0.4)
     gate.set()
     closer.join(30)
     closed_at = time.monotonic()
@@ -504,8 +507,10 @@ def test_a_layerwise_staged_prefetch_is_left_to_a_worker(store, keyspace):
 
 
 @pytest.mark.parametrize("path", ["in_place", "staged"])
-@pytest.mark.parametrize("how", ["wait", "wait_layer"])
-def test_a_bounded_wait_never_runs_a_queued_prefetch_itself(store, keyspace, how, path):
+@pytest.mark.parametrize(("how", "layerwise"), [("wait", False), ("wait_layer", False),
+                                               ("wait_layer", True)])
+def test_a_bounded_wait_never_runs_a_queued_prefetch_itself(store, keyspace, how, layerwise,
+                                                            path):
     # An engine polling a prefetch with a timeout must get its TimeoutError on time: the
     # store call is not run on its thread (it may take longer than the timeout).
     kv = hybrid(64)
@@ -516,7 +521,7 @@ def test_a_bounded_wait_never_runs_a_queued_prefetch_itself(store, keyspace, how
     gate = threading.Event()
     try:
         mover._executor.submit(gate.wait, 30)  # the only worker is busy: the job stays queued
-        t = mover.prefetch(keys, pages(8, 1), layerwise=how == "wait_layer")
+        t = mover.prefetch(keys, pages(8, 1), layerwise=layerwise)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             t.wait(0.05) if how == "wait" else t.wait_layer(0, 0.05)
