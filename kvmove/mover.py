@@ -388,24 +388,21 @@ class KVMover:
         past its valid tokens are left alone (the object does not hold them). Returns as soon
         as the work is scheduled; a ``wait()`` without a timeout that finds no worker started
         on it yet runs it on the waiting thread, as does an unbounded ``wait_layer()``
-        (except a staged layer-wise prefetch, which a worker runs)."""
+        (except on a staged layer-wise prefetch, whose ``wait_layer()`` waits for a worker)."""
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
         transfer = Transfer(call.keys, kind="prefetch", num_layers=self.kv.max_layers,
                             device=self.device)
-        if self._prefetch_rows is None and layerwise:
-            # Staged, layer by layer: the engine waits for each layer while the next ones are
-            # scattered, so a waiter must never run the whole job itself.
-            transfer.add_piece(0, self._submit(self._get_job, call, True, transfer.progress))
-            return transfer
-        # Every layer lands at once (in place, with the one get; staged, with the scatter
-        # after it): a caller that waits before a worker has picked the job up runs it
-        # itself, with no thread hand-off on its way. On a machine whose idle cores are
-        # slow to wake, a worker woken after a rest also copies slower for a while: a staged
-        # get then scattered 1.7x slower on a worker than on the waiting caller
-        # (bench/results/cpu-amd-epyc-2c-20261205-spans-built).
+        # A caller that waits before a worker has picked the job up runs it itself, with no
+        # thread hand-off on its way. On a machine whose idle cores are slow to wake, a
+        # worker woken after a rest also copies slower for a while: a staged get then
+        # scattered 1.7x slower on a worker than on the waiting caller
+        # (bench/results/cpu-amd-epyc-2c-20261205-spans-built). Staged and layer by layer,
+        # only a whole wait() runs it: a wait_layer() caller wants its first layer while the
+        # next ones are scattered, so it waits for a worker.
         job = StealableJob(partial(self._get_in_place if self._prefetch_rows is not None
                                    else self._get_job, call, layerwise, transfer.progress),
-                           self._inline_run)
+                           self._inline_run,
+                           for_layer_waiters=self._prefetch_rows is not None or not layerwise)
         self._start(job)
         transfer.add_piece(0, job)
         return transfer

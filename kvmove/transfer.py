@@ -53,12 +53,15 @@ class StealableJob(Future):
     (the job may take longer than it: a bounded waiter only waits). Runs exactly once;
     a waiter's run is inside ``guard()``, entered before the job is claimed (the mover
     counts such runs, so that ``close()`` waits for them too; a guard that yields ``False``
-    refuses, and the queued job runs on its worker). A
-    :class:`~concurrent.futures.Future` for everything else."""
+    refuses, and the queued job runs on its worker). ``for_layer_waiters=False``: a
+    ``Transfer.wait_layer`` never runs it (a layer-by-layer job, whose waiter wants its first
+    layer while a worker scatters the next ones); an unbounded ``Transfer.wait`` still does.
+    A :class:`~concurrent.futures.Future` for everything else."""
 
-    def __init__(self, fn, guard):
+    def __init__(self, fn, guard, *, for_layer_waiters: bool = True):
         super().__init__()
         self._fn, self._guard = fn, guard
+        self.for_layer_waiters = for_layer_waiters
         self._claim_lock = threading.Lock()
         self._claimed = False
 
@@ -283,7 +286,7 @@ class Transfer:
             raise IndexError(f"layer must be in 0..{n - 1}, got {layer!r}")
         if timeout is None:  # a job no worker has started yet: run it here (unbounded only)
             for _, piece in self._pieces:
-                if isinstance(piece, StealableJob):
+                if isinstance(piece, StealableJob) and piece.for_layer_waiters:
                     piece.steal()
         reached, event = self.progress.wait(layer, timeout)
         if not reached:

@@ -477,10 +477,10 @@ def test_a_waiting_caller_runs_a_queued_staged_prefetch_itself(store, keyspace):
     mover.close()
 
 
-def test_a_layerwise_staged_prefetch_is_left_to_a_worker(store, keyspace):
+def test_a_layerwise_staged_prefetch_is_left_to_a_worker_by_wait_layer(store, keyspace):
     # Layer by layer the engine waits for each layer while the next ones are scattered: a
-    # waiter that ran the whole job itself would return from wait_layer(0) only once every
-    # layer is in place. It waits for the worker instead.
+    # wait_layer() that ran the whole job itself would return from wait_layer(0) only once
+    # every layer is in place. It waits for the worker instead.
     kv = hybrid(64)
     mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
                            path="staged", key_prefix="staged-layerwise")
@@ -489,18 +489,39 @@ def test_a_layerwise_staged_prefetch_is_left_to_a_worker(store, keyspace):
     gate, ran_on = _busy_worker_and_job_threads(mover)
     try:
         t = mover.prefetch(keys, pages(8, 2), layerwise=True)
-        waiters = [threading.Thread(target=t.wait_layer, args=(0,)),
-                   threading.Thread(target=t.wait)]
-        for w in waiters:
-            w.start()
+        waiter = threading.Thread(target=t.wait_layer, args=(0,))
+        waiter.start()
         time.sleep(0.3)
-        assert ran_on == [] and all(w.is_alive() for w in waiters)
+        assert ran_on == [] and waiter.is_alive()
     finally:
         gate.set()
-    for w in waiters:
-        w.join(30)
+    waiter.join(30)
     assert t.wait(30) == [Status.OK] * 2
     assert len(ran_on) == 1 and ran_on[0].name.startswith("kvmove")
+    for src, dst in zip(pages(0, 2), pages(8, 2), strict=True):
+        assert page_bytes(kv, dst) == page_bytes(kv, src)
+    mover.close()
+
+
+def test_a_whole_wait_runs_a_queued_layerwise_staged_prefetch_itself(store, keyspace):
+    # wait() wants every layer: it runs the queued job on its own thread, as for a whole
+    # prefetch, and a wait_layer() waiting beside it gets its layers from that run.
+    kv = hybrid(64)
+    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
+                           path="staged", key_prefix="staged-layerwise-wait")
+    keys = keyspace(3)
+    assert mover.evict(keys[:2], pages(0, 2)).wait() == [Status.OK] * 2
+    gate, ran_on = _busy_worker_and_job_threads(mover)
+    try:
+        t = mover.prefetch(keys, pages(8, 3), layerwise=True)
+        layer_waiter = threading.Thread(target=t.wait_layer, args=(kv.max_layers - 1,))
+        layer_waiter.start()
+        assert t.wait() == [Status.OK, Status.OK, Status.MISS]
+        layer_waiter.join(30)
+        assert not layer_waiter.is_alive()
+    finally:
+        gate.set()
+    assert ran_on == [threading.current_thread()]
     for src, dst in zip(pages(0, 2), pages(8, 2), strict=True):
         assert page_bytes(kv, dst) == page_bytes(kv, src)
     mover.close()
