@@ -10,6 +10,8 @@ or reads from (put) its memory until it returns. So:
   did not is *late*: the caller gives up on it (its keys end ``FAILED``), but its
   :class:`Future` completes only when the native call has really returned. Memory the call
   uses must not be freed, reused or handed back before then (``late.add_done_callback``).
+  A wait interrupted on its thread (a signal's ``KeyboardInterrupt``) lets the exception
+  go on only once the call has returned: the frames it passes free the call's memory.
 - :class:`SpanBudget` counts the transfer requests (spans) a client has in flight, all its
   calls together, and releases a call's spans only when that call has really returned, so a
   late call keeps holding its share of the transport's queue.
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -125,7 +128,27 @@ class StartedCall:
             return CallOutcome(False, late=future, seconds=time.monotonic() - t0)
         except Exception as e:
             return CallOutcome(True, error=e, seconds=time.monotonic() - t0)
+        except BaseException:
+            # Interrupted on this thread (a signal's KeyboardInterrupt): the frames above
+            # free the call's memory as the exception passes them, and the call still
+            # writes into it (a get) or reads it (a put). It goes on once the call returned.
+            _wait_until_returned(future)
+            raise
         return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
+
+
+def _wait_until_returned(future: Future) -> None:
+    """Wait until ``future`` is done, whatever interrupts the wait (Mooncake caps its calls
+    at 60 s; a second signal does not cut this wait short: the memory would be freed)."""
+    if future.done():
+        return
+    log.warning("interrupted while a native call runs: waiting for it to return first "
+                "(it uses memory that is freed as the interruption goes on)")
+    while not future.done():
+        try:
+            futures_wait([future])
+        except BaseException:  # another signal: keep waiting
+            continue
 
 
 def start_call(fn: Callable, *args, runner: CallRunner | None = None,

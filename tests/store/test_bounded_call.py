@@ -6,6 +6,7 @@ it reaches the KV rows, and the store, its replacement client and the mover stay
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -64,6 +65,56 @@ def test_a_started_call_is_bounded_from_its_start_not_from_the_wait():
     time.sleep(0.1)
     out = quick.outcome(0.05)  # ended in time, taken after the bound passed
     assert out.done and out.value == 2
+
+
+class Interrupted(BaseException):
+    """What the tests' SIGINT handler raises (a KeyboardInterrupt sent at the wrong moment
+    would end the whole pytest run)."""
+
+
+@contextlib.contextmanager
+def interrupts_raise():
+    """SIGINT raises :class:`Interrupted` on the main thread within the block; yields a
+    function that sends one to the main thread."""
+    def handler(signum, frame):
+        raise Interrupted
+
+    main = threading.main_thread().ident
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: signal.pthread_kill(main, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_wait_goes_on_only_once_the_call_returned():
+    # The frames above free the call's memory as the interruption passes them: it must not
+    # pass while the call still writes there, even when interrupted twice.
+    release = threading.Event()
+    ended = []
+
+    def call():
+        release.wait(30)
+        ended.append(time.monotonic())
+        return 1
+
+    with interrupts_raise() as interrupt:
+        started = start_call(call)
+        timers = [threading.Timer(0.1, interrupt), threading.Timer(0.3, interrupt),
+                  threading.Timer(0.6, release.set)]
+        for t in timers:
+            t.start()
+        try:
+            with pytest.raises(Interrupted):
+                started.outcome(30)
+            raised = time.monotonic()
+        finally:  # no signal comes once the test's handler is gone
+            for t in timers:
+                t.join()
+            time.sleep(0.05)
+    assert ended and ended[0] <= raised
+    assert raised - started.started >= 0.55
+    assert started.future.result(1) == 1
 
 
 def test_errors_are_returned_and_settled_joins_several():
@@ -248,5 +299,66 @@ def test_a_stalled_holder_ends_failed_at_the_bound_and_memory_waits_for_mooncake
             for layer in range(3):
                 assert torch.equal(other.layer("kv", layer)[32:48],
                                    other.layer("kv", layer)[0:16])
+        store.close()
+        holder.close()
+
+
+@pytest.mark.parametrize("path", ["staged", "in_place"])
+def test_an_interrupted_get_keeps_its_memory_until_mooncake_returns(path):
+    # A caller whose wait() runs a queued prefetch itself is interrupted (a signal) while
+    # the get stalls: the interruption reaches it only once Mooncake has returned, so the
+    # staging slots (staged) and the regions the get writes (both paths) are not let go of
+    # while Mooncake may still write into them.
+    with kvmove.EmbeddedMaster() as master:
+        holder = Holder(master.address)
+        store = kvmove.MooncakeStore(kvmove.StoreConfig(
+            master_address=master.address, local_hostname="127.0.0.1",
+            global_segment_size=0, call_timeout=20.0))
+        kv = kvmove.KVCache({"kv": make_layers(3, 64, 656, torch.uint8, seed=7)})
+        mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=8, workers=1,
+                               path=path, key_prefix=f"interrupt-{path}")
+        gate = threading.Event()
+        seen = {}
+        try:
+            src = torch.arange(0, 16).reshape(4, PAGE)
+            dst = torch.arange(32, 48).reshape(4, PAGE)
+            keys = [f"i{i}" for i in range(4)]
+            assert mover.evict(keys, src).wait(30) == [Status.OK] * 4
+            mover._executor.submit(gate.wait, 30)  # the worker is busy: the waiter runs it
+            holder.kill(signal.SIGSTOP)
+
+            def resume():
+                seen["free"] = mover.staging.num_free if path == "staged" else None
+                seen["in_use"] = set(regions_in_use(store))
+                holder.proc.send_signal(signal.SIGCONT)
+
+            with interrupts_raise() as interrupt:
+                t = mover.prefetch(keys, dst)
+                timers = [threading.Timer(0.5, interrupt), threading.Timer(1.5, resume)]
+                for timer in timers:
+                    timer.start()
+                try:
+                    with pytest.raises(Interrupted):
+                        t.wait()
+                    seen["raised"] = time.monotonic()
+                finally:
+                    for timer in timers:
+                        timer.join()
+                    time.sleep(0.05)
+            written = ({a for a, _ in mover.staging.regions()} if path == "staged"
+                       else {kv.layer("kv", 0).data_ptr()})
+            assert seen["in_use"] & written  # still in use while the get stalled
+            if path == "staged":
+                assert seen["free"] == 4  # its slots still allocated
+        finally:
+            gate.set()
+            holder.proc.send_signal(signal.SIGCONT)
+        # Once returned, everything is let go of and the mover carries on.
+        assert mover.prefetch(keys, dst).wait(30) == [Status.OK] * 4
+        for layer in range(3):
+            assert torch.equal(kv.layer("kv", layer)[32:48], kv.layer("kv", layer)[0:16])
+        if path == "staged":
+            assert mover.staging.num_free == 8
+        mover.close()
         store.close()
         holder.close()
