@@ -456,19 +456,28 @@ def _busy_worker_and_job_threads(mover):
     return gate, ran_on
 
 
-def test_a_waiting_caller_runs_a_queued_staged_prefetch_itself(store, keyspace):
-    # Staged, every layer at once: a caller whose unbounded wait() finds the job still
-    # queued (the only worker busy) runs it on its own thread (no hand-off, no wait for a
-    # worker to wake), with the same statuses and bytes.
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_waiting_caller_runs_a_queued_staged_prefetch_itself(store, keyspace, layerwise):
+    # Staged, every layer at once or layer by layer: a caller whose unbounded wait() finds
+    # the job still queued (the only worker busy) runs it on its own thread (no hand-off,
+    # no wait for a worker to wake), with the same statuses and bytes. Layer by layer, a
+    # wait_layer() waiting beside it gets its layer from that run (it never runs the job).
     kv = hybrid(64)
     mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
-                           path="staged", key_prefix="staged-steal")
+                           path="staged", key_prefix=f"staged-steal-{layerwise}")
     keys = keyspace(3)
     assert mover.evict(keys[:2], pages(0, 2)).wait() == [Status.OK] * 2
     gate, ran_on = _busy_worker_and_job_threads(mover)
     try:
-        t = mover.prefetch(keys, pages(8, 3))
+        t = mover.prefetch(keys, pages(8, 3), layerwise=layerwise)
+        beside = [threading.Thread(target=t.wait_layer, args=(kv.max_layers - 1,))
+                  for _ in range(layerwise)]
+        for waiter in beside:
+            waiter.start()
         assert t.wait() == [Status.OK, Status.OK, Status.MISS]
+        for waiter in beside:
+            waiter.join(30)
+            assert not waiter.is_alive()
     finally:
         gate.set()
     assert ran_on == [threading.current_thread()]
@@ -498,30 +507,6 @@ def test_a_layerwise_staged_prefetch_is_left_to_a_worker_by_wait_layer(store, ke
     waiter.join(30)
     assert t.wait(30) == [Status.OK] * 2
     assert len(ran_on) == 1 and ran_on[0].name.startswith("kvmove")
-    for src, dst in zip(pages(0, 2), pages(8, 2), strict=True):
-        assert page_bytes(kv, dst) == page_bytes(kv, src)
-    mover.close()
-
-
-def test_a_whole_wait_runs_a_queued_layerwise_staged_prefetch_itself(store, keyspace):
-    # wait() wants every layer: it runs the queued job on its own thread, as for a whole
-    # prefetch, and a wait_layer() waiting beside it gets its layers from that run.
-    kv = hybrid(64)
-    mover = kvmove.KVMover(kv, store, page_tokens=PAGE, staging_slots=4, workers=1,
-                           path="staged", key_prefix="staged-layerwise-wait")
-    keys = keyspace(3)
-    assert mover.evict(keys[:2], pages(0, 2)).wait() == [Status.OK] * 2
-    gate, ran_on = _busy_worker_and_job_threads(mover)
-    try:
-        t = mover.prefetch(keys, pages(8, 3), layerwise=True)
-        layer_waiter = threading.Thread(target=t.wait_layer, args=(kv.max_layers - 1,))
-        layer_waiter.start()
-        assert t.wait() == [Status.OK, Status.OK, Status.MISS]
-        layer_waiter.join(30)
-        assert not layer_waiter.is_alive()
-    finally:
-        gate.set()
-    assert ran_on == [threading.current_thread()]
     for src, dst in zip(pages(0, 2), pages(8, 2), strict=True):
         assert page_bytes(kv, dst) == page_bytes(kv, src)
     mover.close()
