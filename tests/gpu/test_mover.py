@@ -3,11 +3,14 @@ for want of Mooncake): indices written on the engine's stream just before the ca
 calls that never wait for the device, with device indices, host indices as vLLM passes
 them (pageable) and pinned ones, on the direct and the two-hop path (a busy device tells:
 no process-wide sync-debug mode racing with the mover's workers); ``wait_layer`` ordering
-the engine after each layer; a prefetch larger than the staging whose first piece misses
-runs nothing early; a mover built on a live cache writes nothing; host indices the
-engine refills at once; device indices with a bad row; a cache on a second GPU."""
+the engine after each layer; a prefetch run by its waiting caller; a prefetch larger than
+the staging whose first piece misses runs nothing early; a mover built on a live cache
+writes nothing; host indices the engine refills at once; device indices with a bad row; a
+cache on a second GPU."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -151,6 +154,55 @@ def test_wait_layer_orders_the_engine_after_each_layer(gpu_store, keyspace):
         for layer, got in enumerate(read[name]):
             assert torch.equal(got.cpu(), expect[name][layer]), \
                 f"the engine read {name} layer {layer} before its scatter"
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_prefetch_run_by_its_waiting_caller_keeps_the_engine_stream(layerwise, gpu_store,
+                                                                      keyspace):
+    """A ``wait()`` that finds the staged prefetch still queued (the only worker busy) runs
+    it on the engine's thread: the scatter still waits for the indices written on the
+    engine's stream just before the call, the rows are in place when ``wait()`` returns,
+    and the engine's thread is left on its own stream (the job's stream is the mover's)."""
+    pt, n, kv_slots = 16, 6, 2048
+    kv = build(BUFFERS, kv_slots)
+    expect = kv_bytes(kv)
+    src, dst = disjoint_pages(kv_slots, n, pt, seed=6)
+    engine = torch.cuda.Stream()
+    engine.wait_stream(torch.cuda.current_stream())
+    mover = kvmove.KVMover(kv, gpu_store, page_tokens=pt, staging_slots=8, workers=1,
+                           path="staged")
+    gate = threading.Event()
+    ran_on = []
+    inner = mover._get_job
+
+    def recorded(*args):
+        ran_on.append(threading.current_thread())
+        return inner(*args)
+
+    try:
+        keys = keyspace(n)
+        assert mover.evict(keys, src.to(CUDA)).wait(60) == [OK] * n
+        mover._get_job = recorded
+        mover._executor.submit(gate.wait, 60)  # the only worker is busy
+        dst_on_device = dst.to(CUDA)  # uploaded before the busy spell
+        torch.cuda.synchronize()
+        with torch.cuda.stream(engine):
+            free = torch.full((n, pt), -1, dtype=torch.int64, device=CUDA)
+            BusyDevice(0.2)  # the indices land late, after a busy engine
+            free.copy_(dst_on_device)
+            t = mover.prefetch(keys, free, layerwise=layerwise)
+            assert t.wait() == [OK] * n
+            assert torch.cuda.current_stream() == engine
+            got = {name: [kv.layer(name, i)[dst.reshape(-1).to(CUDA)].cpu()
+                          for i in range(kv.num_layers(name))] for name in kv.buffer_names}
+    finally:
+        gate.set()
+        mover.close()
+    assert ran_on == [threading.current_thread()]
+    rows = src.reshape(-1)
+    for name in expect:
+        for layer, layer_bytes in enumerate(expect[name]):
+            assert torch.equal(got[name][layer], layer_bytes[rows]), f"{name} layer {layer}"
 
 
 @pytest.mark.parametrize("indices", ["device", "pageable"])
