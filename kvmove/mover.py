@@ -49,6 +49,7 @@ from kvmove.status import (
     STAGING_TIMEOUT,
     Status,
 )
+from kvmove.store.bounded_call import wait_until_returned
 from kvmove.transfer import (
     FutureEvent,
     LayerProgress,
@@ -961,7 +962,7 @@ class KVMover:
                 # so that no late byte lands in rows the engine took back.
                 log.warning("in-place prefetch: a store call was given up; waiting for it "
                             "to return before the rows go back to the engine")
-                late.result()
+                wait_until_returned(late)
             times = StageTimes(get=time.perf_counter() - t0)
             if bad is not None:
                 ok = np.fromiter((s is Status.OK for s in statuses), dtype=bool,

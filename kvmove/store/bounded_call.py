@@ -42,7 +42,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 __all__ = ["CallOutcome", "CallRunner", "SpanBudget", "StartedCall", "Watchdog", "call_bounded",
-           "call_watched", "default_runner", "settled", "start_call"]
+           "call_watched", "default_runner", "settled", "start_call", "wait_until_returned"]
 
 
 class CallRunner:
@@ -132,23 +132,26 @@ class StartedCall:
             # Interrupted on this thread (a signal's KeyboardInterrupt): the frames above
             # free the call's memory as the exception passes them, and the call still
             # writes into it (a get) or reads it (a put). It goes on once the call returned.
-            _wait_until_returned(future)
+            if not future.done():
+                log.warning(_INTERRUPTED)
+                wait_until_returned(future)
             raise
         return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
 
 
-def _wait_until_returned(future: Future) -> None:
-    """Wait until ``future`` is done, whatever interrupts the wait (Mooncake caps its calls
-    at 60 s; a second signal does not cut this wait short: the memory would be freed)."""
-    if future.done():
-        return
-    log.warning("interrupted while a native call runs: waiting for it to return first "
-                "(it uses memory that is freed as the interruption goes on)")
+def wait_until_returned(future: Future) -> None:
+    """Wait until ``future`` (a call's, or of calls given up) is done, whatever interrupts
+    the wait: for a caller about to free or hand back memory the call uses (Mooncake caps
+    its calls at 60 s; a signal does not cut this wait short)."""
     while not future.done():
         try:
             futures_wait([future])
-        except BaseException:  # another signal: keep waiting
-            continue
+        except BaseException:  # a signal: keep waiting
+            log.warning(_INTERRUPTED)
+
+
+_INTERRUPTED = ("interrupted while a native call runs: waiting for it to return first (it "
+                "uses memory that is let go of once the wait ends)")
 
 
 def start_call(fn: Callable, *args, runner: CallRunner | None = None,

@@ -142,6 +142,7 @@ from kvmove.store.bounded_call import (
     default_runner,
     settled,
     start_call,
+    wait_until_returned,
 )
 from kvmove.store.config import DEFAULT_TENANT_ID, StoreConfig
 from kvmove.store.embedded_master import DEFAULT_CLIENT_TTL_S, EmbeddedMaster
@@ -1295,7 +1296,7 @@ class MooncakeStore:
         finally:
             self._drop_client(client)
         if until_returned and late is not None:  # a failover's read given up
-            late.result()  # returns once the read has and its regions are released
+            wait_until_returned(late)  # once the read has, and its regions are released
             late = None
         result = StoreResult(statuses, codes, late)
         self._log_outcome("get", desc.keys, result)
