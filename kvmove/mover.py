@@ -64,6 +64,20 @@ from kvmove.tuning.autotune import tune_for_copies
 log = logging.getLogger(__name__)
 
 
+def layer_groups(num_layers: int) -> list[tuple[int, int]]:
+    """The groups a layer-wise scatter copies one at a time, as ``(first, end)`` layer
+    ranges: layer 0 alone, then groups that double (1, 2-3, 4-7, ...) up to the last layer.
+    The engine gets layer 0 as early as from one copy per layer, and layer ``l`` no later
+    than layer ``2l`` would come, with a copy (on a GPU, a launch, whose host time is most
+    of a small layer's) per group instead of per layer: 7 for 61 layers."""
+    groups, first = [], 0
+    while first < num_layers:
+        end = min(num_layers, first + max(1, first))
+        groups.append((first, end))
+        first = end
+    return groups
+
+
 @dataclass
 class MoverStats:
     """Totals since the mover was created (thread-safe snapshot via ``KVMover.stats()``)."""
@@ -241,8 +255,11 @@ class KVMover:
         common = {"backend": backend, "page_tokens": page_tokens}
         self._gather = prepared_copy(*pools, direction="gather", **common)
         self._scatter_all = prepared_copy(*pools[::-1], direction="scatter", **common)
-        self._scatter_layer = [prepared_copy(*pools[::-1], layer, direction="scatter",
-                                             **common) for layer in range(kv.max_layers)]
+        # A layer-wise scatter, group by group: (its copy, the layer after the group)
+        self._scatter_groups = [
+            (prepared_copy(*pools[::-1], list(range(first, end)), direction="scatter",
+                           **common), end)
+            for first, end in layer_groups(kv.max_layers)]
         self._evict_stream = torch.cuda.Stream(self.device) if cuda else None
         self._prefetch_stream = (torch.cuda.Stream(self.device, priority=-100) if cuda
                                  else None)
@@ -305,7 +322,8 @@ class KVMover:
         runs on the evict stream, the skip rows made there too: made on the caller's stream
         they could be read before they are written (a live cache: rows written)."""
         with torch.cuda.stream(self._evict_stream):
-            for prepared in (self._gather, self._scatter_all, *self._scatter_layer):
+            for prepared in (self._gather, self._scatter_all,
+                             *(copy for copy, _ in self._scatter_groups)):
                 prepared.warm_up()
         self._evict_stream.synchronize()
 
@@ -383,8 +401,9 @@ class KVMover:
                  valid_tokens=None) -> Transfer:
         """Get ``keys`` into staging in the background and scatter the pages whose status is
         OK into ``token_pages`` ``[n, page_tokens]`` (``-1`` = leave that KV row alone). With
-        ``layerwise=True`` the scatter runs layer by layer and ``Transfer.wait_layer(l)``
-        returns as soon as layer ``l`` is in place. Rows of missing or failed keys are left
+        ``layerwise=True`` the scatter runs layer by layer, in groups that double
+        (:func:`layer_groups`), and ``Transfer.wait_layer(l)`` returns as soon as layer
+        ``l`` is in place. Rows of missing or failed keys are left
         untouched. ``valid_tokens`` must match what the pages were evicted with; a page's rows
         past its valid tokens are left alone (the object does not hold them). Returns as soon
         as the work is scheduled; a ``wait()`` without a timeout that finds no worker started
@@ -788,13 +807,14 @@ class KVMover:
                 pages = torch.where(mask, pages, -1)
             event = None
             plan = plan_pages(self._scatter_all, pages, slots)  # one plan for every layer
-            for prepared in (self._scatter_layer if layerwise else (self._scatter_all,)):
+            for prepared, end in (self._scatter_groups if layerwise
+                                  else ((self._scatter_all, None),)):
                 run_pages(prepared, plan, None)
                 if stream is not None:
                     event = torch.cuda.Event(blocking=True)
                     event.record(stream)
                 if layerwise:
-                    progress.layer_done(event)
+                    progress.layers_done(end, event)
         if event is not None:
             event.synchronize()  # the slots are freed once this returns (a sleep, no spin)
         return event

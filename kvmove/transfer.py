@@ -148,10 +148,11 @@ class LayerProgress:
         self._all_event = None  # CUDA event after the whole scatter
 
     # -- the mover ------------------------------------------------------------------------
-    def layer_done(self, event=None) -> None:
+    def layers_done(self, upto: int, event=None) -> None:
+        """Layers ``0 .. upto - 1`` are done (those not reported yet: after ``event``)."""
         with self._cond:
-            self._events.append(event)
-            self._done += 1
+            self._events += [event] * (upto - self._done)
+            self._done = upto
             self._cond.notify_all()
 
     def all_done(self, event=None) -> None:

@@ -82,7 +82,7 @@ def test_layers_complete_in_order_and_finish_releases_every_waiter():
     threads = [threading.Thread(target=waiter, args=(layer,)) for layer in (0, 2)]
     for th in threads:
         th.start()
-    progress.layer_done()
+    progress.layers_done(1)
     time.sleep(0.05)
     assert progress.reached(0) and not progress.reached(1) and not progress.reached(None)
     progress.finish()  # e.g. the transfer ended early: nobody waits forever

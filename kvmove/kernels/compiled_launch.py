@@ -2,9 +2,9 @@
 
 ``kernel[grid](...)`` binds every argument, works out its specialisation, hashes it into a
 cache key and looks the compiled kernel up, on every call: tens of µs of host time, paid
-per launch (a layer-wise scatter launches once per layer). A launcher that knows what its
-kernel specialises on can key the compiled kernel itself, by a tuple it builds in a few
-µs, and launch it as ``JITFunction.run`` does (``CompiledKernel.run`` with the current
+per launch (a layer-wise scatter launches once per group of layers). A launcher that knows
+what its kernel specialises on can key the compiled kernel itself, by a tuple it builds in
+a few µs, and launch it as ``JITFunction.run`` does (``CompiledKernel.run`` with the current
 stream of the device, every parameter in order, constexprs included): the same compiled
 code, with the same arguments.
 

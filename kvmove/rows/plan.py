@@ -63,7 +63,7 @@ class Part:
         self._runs: dict[str, int | None] = dict(runs) if runs else {}  # side -> first unit
         self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
         # What a backend worked out for moving this part between two buffers, kept for the
-        # next layer set (a layer-wise copy runs one plan once per layer).
+        # next layer set (a layer-wise copy runs one plan once per group of layers).
         self.moves: dict = {}
 
     def __len__(self) -> int:

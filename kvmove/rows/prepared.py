@@ -112,7 +112,7 @@ class PreparedCopy:
         self.backends = frozenset(p.backend for p in parts)
         self.torch_only = self.backends <= {"torch"}
         # Only the two-hop path reads the rows on the host (a layer-wise prefetch runs once
-        # per layer: the others skip looking where the rows are)
+        # per group of layers: the others skip looking where the rows are)
         self.reads_host_rows = "two_hop" in self.backends
         self.src_rows_limit = next(iter(src.buffers.values())).num_rows
         self.dst_rows_limit = next(iter(dst.buffers.values())).num_rows

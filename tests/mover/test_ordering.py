@@ -116,7 +116,7 @@ def test_wait_layer_raises_what_the_prefetch_raised(store, keyspace, monkeypatch
 
 def test_layer_progress_tells_a_finished_job_from_a_placed_layer():
     progress = transfer_module.LayerProgress(3)
-    progress.layer_done()
+    progress.layers_done(1)
     progress.finish()  # the job failed after layer 0
     assert progress.wait(2, 1)[0]  # woken
     assert progress.layer_in_place(0) and not progress.layer_in_place(1)
