@@ -148,41 +148,6 @@ def test_keys_are_namespaced_by_geometry_and_prefix(make_mover, keyspace):
         make_mover(kv, key_prefix="bad prefix/with spaces")
 
 
-def test_layerwise_prefetch_makes_layer_0_available_before_the_call_ends(
-        make_mover, keyspace, monkeypatch):
-    kv = kvmove.KVCache(GEOMETRIES["hybrid"](32))
-    mover = make_mover(kv)
-    keys = keyspace(2)
-    src = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
-    want = snapshot(kv)
-    assert mover.evict(keys, src).wait(30) == [kvmove.Status.OK] * 2
-    release = threading.Event()
-    real_copy = mover_module.run_pages
-
-    def slow_copy(prepared, *args):
-        if prepared is mover._scatter_groups[1][0]:  # slow: layer 1 (a group alone) waits
-            assert release.wait(30)
-        return real_copy(prepared, *args)
-
-    monkeypatch.setattr(mover_module, "run_pages", slow_copy)
-    t = mover.prefetch(keys, torch.tensor([[16, 17, 18, 19], [20, 21, 22, 23]]),
-                       layerwise=True)
-    t.wait_layer(0, timeout=30)
-    assert not t.done()
-    for n in kv.buffer_names:
-        assert torch.equal(kv.layer(n, 0)[16:24], want[n][0][0:8])
-        assert not torch.equal(kv.layer(n, 1)[16:24], want[n][1][0:8])
-    with pytest.raises(TimeoutError):
-        t.wait_layer(1, timeout=0.05)
-    release.set()
-    assert t.wait(30) == [kvmove.Status.OK] * 2
-    for layer in range(kv.max_layers):
-        t.wait_layer(layer, timeout=1)
-    for n in kv.buffer_names:
-        for layer in range(kv.num_layers(n)):
-            assert torch.equal(kv.layer(n, layer)[16:24], want[n][layer][0:8])
-
-
 def test_layer_groups_start_with_layer_0_alone_and_double():
     assert mover_module.layer_groups(61) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16),
                                              (16, 32), (32, 61)]
@@ -195,10 +160,12 @@ def test_layer_groups_start_with_layer_0_alone_and_double():
         assert len(groups) <= n.bit_length() + 1
 
 
+@pytest.mark.parametrize("held", [1, 2])
 def test_a_layerwise_prefetch_places_each_group_of_layers_before_the_next(
-        make_mover, keyspace, monkeypatch):
-    # Five layers: groups 0, 1, 2-3, 4. While group 2-3 is held, layers 0 and 1 are in
-    # place (every buffer: the two-layer one is whole), layers 2-4 are not.
+        make_mover, keyspace, monkeypatch, held):
+    # Five layers: groups 0, 1, 2-3, 4. While group ``held`` is held (a slow consumer), the
+    # layers before it are in place in every buffer (the two-layer one is whole with group
+    # 1), the others are not, and the call has not ended.
     kv = kvmove.KVCache(GEOMETRIES["hybrid"](32))
     assert kv.max_layers == 5
     mover = make_mover(kv)
@@ -206,28 +173,31 @@ def test_a_layerwise_prefetch_places_each_group_of_layers_before_the_next(
     src = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
     want = snapshot(kv)
     assert mover.evict(keys, src).wait(30) == [kvmove.Status.OK] * 2
-    held, release = mover._scatter_groups[2], threading.Event()
-    assert held[1] == 4
+    copy, _ = mover._scatter_groups[held]
+    first = mover_module.layer_groups(5)[held][0]
+    release = threading.Event()
     real_copy = mover_module.run_pages
 
     def slow_copy(prepared, *args):
-        if prepared is held[0]:
+        if prepared is copy:
             assert release.wait(30)
         return real_copy(prepared, *args)
 
     monkeypatch.setattr(mover_module, "run_pages", slow_copy)
     t = mover.prefetch(keys, torch.tensor([[16, 17, 18, 19], [20, 21, 22, 23]]),
                        layerwise=True)
-    t.wait_layer(1, timeout=30)
+    t.wait_layer(first - 1, timeout=30)
+    assert not t.done()
     with pytest.raises(TimeoutError):
-        t.wait_layer(2, timeout=0.05)
+        t.wait_layer(first, timeout=0.05)
     for n in kv.buffer_names:
         for layer in range(kv.num_layers(n)):
             placed = torch.equal(kv.layer(n, layer)[16:24], want[n][layer][0:8])
-            assert placed == (layer < 2), (n, layer)
+            assert placed == (layer < first), (n, layer)
     release.set()
-    t.wait_layer(3, timeout=30)
     assert t.wait(30) == [kvmove.Status.OK] * 2
+    for layer in range(kv.max_layers):
+        t.wait_layer(layer, timeout=1)
     for n in kv.buffer_names:
         for layer in range(kv.num_layers(n)):
             assert torch.equal(kv.layer(n, layer)[16:24], want[n][layer][0:8])
