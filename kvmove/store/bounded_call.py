@@ -29,6 +29,7 @@ path can use the same bound.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -133,25 +134,32 @@ class StartedCall:
             # free the call's memory as the exception passes them, and the call still
             # writes into it (a get) or reads it (a put). It goes on once the call returned.
             if not future.done():
+                with contextlib.suppress(BaseException):  # a second signal: this one goes on
+                    wait_until_returned(future)
                 log.warning(_INTERRUPTED)
-                wait_until_returned(future)
             raise
         return CallOutcome(True, value=value, seconds=time.monotonic() - t0)
 
 
-def wait_until_returned(future: Future) -> None:
-    """Wait until ``future`` (a call's, or of calls given up) is done, whatever interrupts
-    the wait: for a caller about to free or hand back memory the call uses (Mooncake caps
-    its calls at 60 s; a signal does not cut this wait short)."""
-    while not future.done():
-        try:
-            futures_wait([future])
-        except BaseException:  # a signal: keep waiting
-            log.warning(_INTERRUPTED)
+def wait_until_returned(*futures: Future) -> None:
+    """Wait until every one of ``futures`` (calls, or calls given up) is done, for a caller
+    about to free or hand back memory they use. A signal's exception meanwhile does not cut
+    the wait short (Mooncake caps its calls at 60 s): the first is raised once they are all
+    done."""
+    interrupted = None
+    for future in futures:
+        while not future.done():
+            try:
+                futures_wait([future])
+            except BaseException as e:
+                interrupted = interrupted or e
+    if interrupted is not None:
+        log.warning(_INTERRUPTED)
+        raise interrupted
 
 
-_INTERRUPTED = ("interrupted while a native call runs: waiting for it to return first (it "
-                "uses memory that is let go of once the wait ends)")
+_INTERRUPTED = ("interrupted while a native call ran: the interruption went on once the call "
+                "had returned (it used memory that is let go of then)")
 
 
 def start_call(fn: Callable, *args, runner: CallRunner | None = None,

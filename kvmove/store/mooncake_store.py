@@ -1088,9 +1088,12 @@ class MooncakeStore:
                     return
 
         helpers = [default_runner().submit(work) for _ in range(width - 1)]
-        work()  # this thread is one of the ``width`` workers
+        try:
+            work()  # this thread is one of the ``width`` workers
+        finally:  # interrupted: the helpers' calls use the memory too
+            wait_until_returned(*helpers)  # each chunk's calls are bounded, so this is too
         for helper in helpers:
-            helper.result()  # each chunk's calls are bounded, so this is too
+            helper.result()
         codes: list[int] = []
         for chunk, part in zip(chunks, parts, strict=True):
             if part is None:  # not tried: the call stopped first

@@ -25,6 +25,7 @@ from kvmove.store.bounded_call import (
     call_watched,
     settled,
     start_call,
+    wait_until_returned,
 )
 from tests.support.caches import make_layers, snapshot
 from tests.support.holder import Holder
@@ -87,9 +88,11 @@ def interrupts_raise():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_an_interrupted_wait_goes_on_only_once_the_call_returned():
+@pytest.mark.parametrize("how", ["outcome", "wait_until_returned"])
+def test_an_interrupted_wait_goes_on_only_once_the_call_returned(how):
     # The frames above free the call's memory as the interruption passes them: it must not
-    # pass while the call still writes there, even when interrupted twice.
+    # pass while the call still writes there, even when interrupted twice, and it is never
+    # lost (a Ctrl-C still stops the program).
     release = threading.Event()
     ended = []
 
@@ -100,20 +103,23 @@ def test_an_interrupted_wait_goes_on_only_once_the_call_returned():
 
     with interrupts_raise() as interrupt:
         started = start_call(call)
-        timers = [threading.Timer(0.1, interrupt), threading.Timer(0.3, interrupt),
-                  threading.Timer(0.6, release.set)]
-        for t in timers:
-            t.start()
+        timers = [threading.Timer(0.3, interrupt), threading.Timer(0.6, interrupt),
+                  threading.Timer(1.0, release.set)]
         try:
+            for t in timers:
+                t.start()
             with pytest.raises(Interrupted):
-                started.outcome(30)
+                if how == "outcome":
+                    started.outcome(30)
+                else:
+                    wait_until_returned(start_call(time.sleep, 0.01).future, started.future)
             raised = time.monotonic()
         finally:  # no signal comes once the test's handler is gone
             for t in timers:
                 t.join()
             time.sleep(0.05)
     assert ended and ended[0] <= raised
-    assert raised - started.started >= 0.55
+    assert raised - started.started >= 0.95
     assert started.future.result(1) == 1
 
 
@@ -330,14 +336,15 @@ def test_an_interrupted_get_keeps_its_memory_until_mooncake_returns(path):
             def resume():
                 seen["free"] = mover.staging.num_free if path == "staged" else None
                 seen["in_use"] = set(regions_in_use(store))
+                seen["resumed"] = time.monotonic()
                 holder.proc.send_signal(signal.SIGCONT)
 
             with interrupts_raise() as interrupt:
                 t = mover.prefetch(keys, dst)
                 timers = [threading.Timer(0.5, interrupt), threading.Timer(1.5, resume)]
-                for timer in timers:
-                    timer.start()
                 try:
+                    for timer in timers:
+                        timer.start()
                     with pytest.raises(Interrupted):
                         t.wait()
                     seen["raised"] = time.monotonic()
@@ -347,6 +354,7 @@ def test_an_interrupted_get_keeps_its_memory_until_mooncake_returns(path):
                     time.sleep(0.05)
             written = ({a for a, _ in mover.staging.regions()} if path == "staged"
                        else {kv.layer("kv", 0).data_ptr()})
+            assert seen["raised"] > seen["resumed"]  # the get returned first
             assert seen["in_use"] & written  # still in use while the get stalled
             if path == "staged":
                 assert seen["free"] == 4  # its slots still allocated
