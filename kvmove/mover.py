@@ -68,8 +68,8 @@ def layer_groups(num_layers: int) -> list[tuple[int, int]]:
     """The groups a layer-wise scatter copies one at a time, as ``(first, end)`` layer
     ranges: layer 0 alone, then groups that double (1, 2-3, 4-7, ...) up to the last layer.
     The engine gets layer 0 as early as from one copy per layer, and layer ``l`` no later
-    than layer ``2l`` would come, with a copy (on a GPU, a launch, whose host time is most
-    of a small layer's) per group instead of per layer: 7 for 61 layers."""
+    than layer ``2l`` would come, with a copy (on a GPU, a launch per buffer, whose host time
+    is most of a small layer's) per group instead of per layer: 7 for 61 layers."""
     groups, first = [], 0
     while first < num_layers:
         end = min(num_layers, first + max(1, first))
@@ -403,10 +403,10 @@ class KVMover:
         OK into ``token_pages`` ``[n, page_tokens]`` (``-1`` = leave that KV row alone). With
         ``layerwise=True`` the scatter runs layer by layer, in groups that double
         (:func:`layer_groups`), and ``Transfer.wait_layer(l)`` returns as soon as layer
-        ``l`` is in place. Rows of missing or failed keys are left
-        untouched. ``valid_tokens`` must match what the pages were evicted with; a page's rows
-        past its valid tokens are left alone (the object does not hold them). Returns as soon
-        as the work is scheduled; a ``wait()`` without a timeout that finds no worker started
+        ``l`` is in place. Rows of missing or failed keys are left untouched.
+        ``valid_tokens`` must match what the pages were evicted with; a page's rows past its
+        valid tokens are left alone (the object does not hold them). Returns as soon as the
+        work is scheduled; a ``wait()`` without a timeout that finds no worker started
         on it yet runs it on the waiting thread, as does an unbounded ``wait_layer()``
         (except on a staged layer-wise prefetch, whose ``wait_layer()`` waits for a worker)."""
         call = self._take_call(keys, token_pages, valid_tokens, gathering=False)
@@ -777,10 +777,10 @@ class KVMover:
                  progress: LayerProgress, ordered):
         """Scatter the pages of the keys in ``ok`` (and, on a device, without an out-of-range
         row), each page's first ``valid`` rows (the rows past them, which the object does not
-        hold, are left alone, as a get in place leaves them): all layers, or layer by layer
-        reporting each to ``progress``. Returns on the CPU once copied, on CUDA once the copy
-        has finished on the prefetch stream (the staging slots are freed after it); returns
-        the CUDA event after it, or None."""
+        hold, are left alone, as a get in place leaves them): all layers, or group of layers by
+        group (:func:`layer_groups`) reporting each to ``progress``. Returns on the CPU once
+        copied, on CUDA once the copy has finished on the prefetch stream (the staging slots
+        are freed after it); returns the CUDA event after it, or None."""
         stream = self._prefetch_stream
         if not ok.any():
             return None

@@ -136,14 +136,14 @@ def join_results(parts: list[TransferResult]) -> TransferResult:
 
 class LayerProgress:
     """Which layers of a prefetch are in the KV cache, without one object per layer: layers
-    complete in order, so a count (and, on CUDA, the event recorded after each layer's
-    scatter) says it all. ``finish()`` releases every waiter (the transfer ended)."""
+    complete in order, so a count (and, on CUDA, the event recorded after the scatter of
+    each layer's group) says it all. ``finish()`` releases every waiter (the transfer ended)."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self._cond = threading.Condition()
         self._done = 0  # layers 0 .. _done - 1 are enqueued (CUDA) or copied (CPU)
-        self._events: list = []  # CUDA event after layer i's scatter (None on the CPU)
+        self._events: list = []  # CUDA event after layer i's group (None on the CPU)
         self._finished = False
         self._all_event = None  # CUDA event after the whole scatter
 

@@ -470,14 +470,15 @@ def test_a_waiting_caller_runs_a_queued_staged_prefetch_itself(store, keyspace, 
     gate, ran_on = _busy_worker_and_job_threads(mover)
     try:
         t = mover.prefetch(keys, pages(8, 3), layerwise=layerwise)
-        beside = [threading.Thread(target=t.wait_layer, args=(kv.max_layers - 1,))
-                  for _ in range(layerwise)]
+        beside_got = []
+        beside = [threading.Thread(target=lambda: beside_got.append(
+            t.wait_layer(kv.max_layers - 1))) for _ in range(layerwise)]
         for waiter in beside:
             waiter.start()
         assert t.wait() == [Status.OK, Status.OK, Status.MISS]
         for waiter in beside:
             waiter.join(30)
-            assert not waiter.is_alive()
+        assert beside_got == [None] * layerwise  # it returned, without an error
     finally:
         gate.set()
     assert ran_on == [threading.current_thread()]

@@ -156,7 +156,7 @@ def test_layer_groups_start_with_layer_0_alone_and_double():
         assert [g[0] for g in groups] == [0] + [g[1] for g in groups[:-1]]  # in order
         assert groups[0] == (0, 1) and groups[-1][1] == n
         for first, end in groups:
-            assert 0 < end - first <= max(1, first)  # layer l comes with layers < 2l + 1
+            assert 0 < end - first <= max(1, first)  # layer l >= 1 comes with layers < 2l
         assert len(groups) <= n.bit_length() + 1
 
 
