@@ -1,11 +1,13 @@
 """Pinned staging memory, observed without a GPU through an injected registration hook: one
 registration per region (no span crosses a registration), unregistered before unmapping
-(also when a staging is dropped without ``close()``), not inherited by forked children, and
-``close()`` refusing while transfers hold slots."""
+(also when a staging is dropped without ``close()``), resident from the start, not inherited
+by forked children, and ``close()`` refusing while transfers hold slots."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import resource
 import subprocess
 import sys
 import textwrap
@@ -155,6 +157,20 @@ def test_close_force_unpins_under_allocated_slots(pinning):
         staging.close(timeout=0.05)
     staging.close(force=True)
     assert not staging.pinned and pinning.registered() == set()
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="Linux: per-thread faults")
+def test_host_memory_is_resident_when_made():
+    """No page of new staging memory faults in when first written (as it would while
+    serving): the mapping was populated when made."""
+    pages = 256
+    memory = host_memory.HostMemory(pages * host_memory.PAGE, pin=False)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    ctypes.memset(memory.address, 0x5A, memory.nbytes)  # every page, on this thread
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < pages // 8, f"{faults} of {pages} pages faulted in on first write"
+    assert bytes(memory.tensor[:: host_memory.PAGE].tolist()) == b"\x5a" * pages
+    memory.close()
 
 
 def test_staging_memory_is_not_inherited_by_forked_children():
