@@ -14,7 +14,9 @@ every call that finds none idle (a stuck native call must never hold up another)
 never shut down: a mover's jobs need a cap (prefetch jobs wait for staging slots that the
 puts on a separate pool free) and a shutdown that waits for what was queued.
 
-Threads start on demand, up to ``max_workers``, and stay until :meth:`JobThreads.shutdown`,
+Threads start on demand, up to ``max_workers`` (or all at once, :meth:`JobThreads.start_all`,
+before serving: a thread started by a job's call costs that call about 0.1 ms), and stay
+until :meth:`JobThreads.shutdown`,
 which runs every job queued before it, then ends them. They are daemon threads; a process
 that exits without shutting them down runs the jobs queued until then first, where an
 executor's threads would (before the interpreter's own ``atexit`` hooks, such as a store's
@@ -101,6 +103,7 @@ class JobThreads:
     - ``submit(fn, *args)``: queue a call; its future.
     - ``start(job)``: queue an object whose ``run()`` does the work and reports it (a
       future of its own, such as :class:`kvmove.transfer.StealableJob`).
+    - ``start_all()``: start every worker now, before the first job.
     - ``shutdown(wait=True)``: no job is taken after it; those queued before it run, and
       with ``wait`` it returns once they have (from a worker's own thread it does not
       wait for that thread).
@@ -136,11 +139,27 @@ class JobThreads:
             if shared.idle:
                 shared.idle -= 1  # an idle worker takes it
             elif len(self._threads) < self.max_workers:
-                thread = threading.Thread(target=_work, args=(shared, self.name), daemon=True,
-                                          name=f"{self.name}_{len(self._threads)}")
-                thread.start()  # under the lock: a shutdown joins only started threads
-                self._threads.append(thread)
+                self._start_thread()
             shared.queue.put(job)
+
+    def start_all(self) -> None:
+        """Start every worker not started yet, idle until jobs come (a pool about to serve:
+        no job's call then starts a thread). ``RuntimeError`` after :meth:`shutdown`."""
+        shared = self._shared
+        with shared.lock:
+            if self._shut:
+                raise RuntimeError(f"{self.name}: cannot start workers after shutdown")
+            while len(self._threads) < self.max_workers:
+                self._start_thread()
+                shared.idle += 1
+
+    def _start_thread(self) -> None:
+        """Start one more worker (``shared.lock`` held: a shutdown joins only started
+        threads)."""
+        thread = threading.Thread(target=_work, args=(self._shared, self.name), daemon=True,
+                                  name=f"{self.name}_{len(self._threads)}")
+        thread.start()
+        self._threads.append(thread)
 
     def shutdown(self, wait: bool = True) -> None:
         with self._shared.lock:

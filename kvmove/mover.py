@@ -271,6 +271,8 @@ class KVMover:
         # Puts never wait for slots; prefetch jobs do: on one pool, prefetches waiting for
         # slots could hold every worker while the puts that free them wait in the queue.
         self._put_executor = JobThreads(workers, "kvmove-put")
+        for pool in (self._executor, self._put_executor):
+            pool.start_all()  # now, not in the first calls (a thread start: ~0.1 ms each)
         self._lock = threading.Lock()
         # transfers running on callers' threads: in-place puts (CPU evict), and prefetches
         # a waiter runs itself

@@ -177,3 +177,24 @@ threading.Timer(0.1, gate.set).start()
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
     assert out.read_text() == "job hook"
+
+
+def test_start_all_starts_every_worker_idle_and_the_jobs_use_them():
+    threads = JobThreads(3, "t")
+    try:
+        threads.start_all()
+        started = list(threads._threads)
+        assert len(started) == 3 and all(t.is_alive() for t in started)
+        threads.start_all()  # again: nothing more
+        # Three jobs that wait for each other run at once, on the three workers started,
+        # none started by a job.
+        gate = threading.Barrier(3, timeout=10)
+        jobs = [threads.submit(lambda: (gate.wait(), threading.current_thread())[1])
+                for _ in range(3)]
+        ran_on = {job.result(10) for job in jobs}
+        assert ran_on == set(started) and threads._threads == started
+    finally:
+        threads.shutdown()
+    assert not any(t.is_alive() for t in started)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        threads.start_all()

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -454,6 +455,26 @@ def _busy_worker_and_job_threads(mover):
     gate = threading.Event()
     mover._executor.submit(gate.wait, 30)
     return gate, ran_on
+
+
+def test_a_movers_workers_start_when_it_is_built_not_in_its_first_calls(store, keyspace):
+    # A call that starts a thread pays ~0.1 ms for it: the mover starts its workers (both
+    # pools) when it is built, and its first evict and prefetch start none.
+    def workers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if re.fullmatch(r"kvmove(-put)?_\d+", t.name)}
+
+    before = workers()
+    mover = kvmove.KVMover(hybrid(64), store, page_tokens=PAGE, staging_slots=4, workers=2,
+                           path="staged", key_prefix="workers-built")
+    built = workers() - before
+    assert sorted(t.name for t in built) == ["kvmove-put_0", "kvmove-put_1", "kvmove_0",
+                                             "kvmove_1"]
+    keys = keyspace(2)
+    assert mover.evict(keys, pages(0, 2)).wait() == [Status.OK] * 2
+    assert mover.prefetch(keys, pages(8, 2)).wait() == [Status.OK] * 2
+    assert workers() - before == built
+    mover.close()
+    assert not any(t.is_alive() for t in built)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
