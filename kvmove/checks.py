@@ -109,6 +109,16 @@ def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
     )
 
 
+def has_repeats(values: np.ndarray) -> bool:
+    """Whether some value of the 1-D ``values`` occurs more than once. Sorts a copy:
+    ``np.unique`` would import ``numpy.ma`` on its first call in a process (numpy 2.x,
+    7 ms measured), and that call would be a transfer's, while serving."""
+    if values.size < 2:
+        return False
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
                  page_tokens: int = 1) -> None:
     """No destination row named twice (``-1`` excepted): the result would depend on order.
@@ -133,7 +143,7 @@ def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """Within one pool, no row is both read and written (``-1`` excepted): the result would
     depend on the order of the copies."""
     a, b = _values(src_rows), _values(dst_rows)
-    shared = np.intersect1d(a[a >= 0], b[b >= 0])
+    shared = a[(a >= 0) & np.isin(a, b[b >= 0])]  # not intersect1d: see has_repeats
     if shared.size:
         raise ValueError(f"src_rows and dst_rows both name row {int(shared[0])} of the same "
                          "pool: a copy within one pool must not write a row it reads")

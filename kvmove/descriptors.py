@@ -231,8 +231,8 @@ class _Columns:
         self.buffer = np.concatenate(bufs)
         self.same_buffer = self.buffer[:-1] == self.buffer[1:]
         self.bytes_per_token = int(self.row_bytes.sum())
-        pitches = np.unique(self.slot_pitch)
-        self.uniform_pitch = int(pitches[0]) if pitches.size == 1 else None
+        pitch = self.slot_pitch
+        self.uniform_pitch = int(pitch[0]) if bool((pitch == pitch[0]).all()) else None
         self.where: tuple[int, ...] = ()
         self.fixed = False  # the staging's tensors never change (its ``fixed_memory``)
         # The memory regions the spans live in (to register them), as the staging says.
@@ -399,7 +399,12 @@ def describe_trusted(staging, slot_ids: np.ndarray | list[int], keys: list[str],
                                     total_bytes=n * v * cols.bytes_per_token)
     slot_ids = np.asarray(slot_ids, dtype=np.int64)
     nbytes = vt * cols.bytes_per_token
-    values, group_of = np.unique(vt, return_inverse=True)  # a few distinct page lengths
+    # The few distinct page lengths (1..page_tokens), and each key's among them (a table
+    # of the lengths present, not np.unique: see kvmove.checks.has_repeats)
+    present = np.zeros(int(vt.max()) + 1, dtype=bool)
+    present[vt] = True
+    values = np.flatnonzero(present)
+    group_of = (np.cumsum(present) - 1)[vt]
     starts = [cols.starts(int(v)) for v in values]
     ptr_lists = _spans_by_group(cols.addresses(slot_ids), group_of, starts)
     # Keys of one page length share one sizes list (read-only): copying it per key would

@@ -48,6 +48,7 @@ from kvmove.checks import (
     check_positive_int,
     check_range,
     check_valid_tokens,
+    has_repeats,
 )
 from kvmove.descriptors import Descriptors
 from kvmove.memory.cache import KVCache
@@ -184,7 +185,7 @@ class InPlaceRows:
         host = pages.numpy().astype(np.int64).reshape(n, self.page_tokens)
         if get:
             kept = host[host >= 0]
-            if np.unique(kept).size != kept.size:
+            if has_repeats(kept):
                 raise ValueError("token_pages names a KV row more than once; the rows a get "
                                  "writes must be distinct")
         valid = check_valid_tokens(valid_tokens, n, self.page_tokens)

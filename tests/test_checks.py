@@ -77,6 +77,24 @@ def test_check_unique_ignores_skips_and_names_the_repeated_row():
         checks.check_unique([2, 0, 2], "pages", page_tokens=4)
 
 
+@given(st.lists(st.integers(-3, 40), max_size=60))
+def test_has_repeats_says_whether_a_value_occurs_twice(values):
+    assert checks.has_repeats(np.array(values, dtype=np.int64)) == (
+        len(set(values)) != len(values))
+
+
+@given(st.lists(st.integers(-1, 20), max_size=30), st.lists(st.integers(-1, 20), max_size=30))
+def test_check_disjoint_refuses_exactly_a_row_both_name(src, dst):
+    shared = {r for r in src if r >= 0} & {r for r in dst if r >= 0}
+    a, b = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+    if not shared:
+        checks.check_disjoint(a, b)
+        return
+    with pytest.raises(ValueError, match=r"both name row \d+ ") as e:
+        checks.check_disjoint(a, b)
+    assert int(str(e.value).split("both name row ")[1].split()[0]) in shared
+
+
 def test_check_disjoint():
     checks.check_disjoint(torch.tensor([0, 1, -1]), torch.tensor([2, -1, 3]))
     with pytest.raises(ValueError, match="both name row 1"):

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from kvmove.checks import as_int_array
+from kvmove.checks import as_int_array, has_repeats
 from kvmove.errors import StagingFull
 
 
@@ -74,7 +74,7 @@ class SlotAllocator:
         bad = (ids < 0) | (ids >= self.num_slots)
         if bad.any():
             raise ValueError(f"slots out of range 0..{self.num_slots - 1}: {ids[bad][:8].tolist()}")
-        if np.unique(ids).size != ids.size:
+        if has_repeats(ids):
             raise ValueError(f"slots named twice in one free(): {ids.tolist()[:16]}")
         with self._cond:
             not_allocated = self._free[ids]
