@@ -49,7 +49,7 @@ from kvmove.status import (
     STAGING_TIMEOUT,
     Status,
 )
-from kvmove.store.bounded_call import wait_until_returned
+from kvmove.store.bounded_call import default_runner, wait_until_returned
 from kvmove.transfer import (
     FutureEvent,
     LayerProgress,
@@ -273,6 +273,8 @@ class KVMover:
         self._put_executor = JobThreads(workers, "kvmove-put")
         for pool in (self._executor, self._put_executor):
             pool.start_all()  # now, not in the first calls (a thread start: ~0.1 ms each)
+        # The threads the store's calls run on: one per worker and one for a caller
+        default_runner().start_idle(2 * workers + 1)
         self._lock = threading.Lock()
         # transfers running on callers' threads: in-place puts (CPU evict), and prefetches
         # a waiter runs itself

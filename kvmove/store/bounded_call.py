@@ -74,6 +74,16 @@ class CallRunner:
             threading.Thread(target=self._work, name=self.name, daemon=True).start()
         return future
 
+    def start_idle(self, n: int) -> None:
+        """Start threads until ``n`` are idle (at most ``max_idle``): for a caller about to
+        serve, so that its first calls start none (a thread start costs the call ~0.1 ms)."""
+        with self._lock:
+            add = max(0, min(n, self.max_idle) - self._idle)
+            self._idle += add
+            self._started += add
+        for _ in range(add):  # counted idle already: each takes a call from the queue
+            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
     def _work(self) -> None:
         while True:
             future, fn, args = self._queue.get()

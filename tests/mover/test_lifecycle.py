@@ -477,19 +477,20 @@ def test_a_movers_workers_start_when_it_is_built_not_in_its_first_calls(store, k
     assert not any(t.is_alive() for t in built)
 
 
-def test_a_movers_first_calls_import_nothing():
+def test_a_movers_first_calls_import_nothing_and_start_no_thread():
     # An import inside a call is a one-off stall of the engine's step (numpy's np.unique
-    # imported numpy.ma on its first call: 7 ms in a first evict). A fresh process builds a
-    # staged and an in-place mover, then evicts and prefetches (pages of 2-4 valid tokens,
-    # layer by layer too) through each: no module is imported from the first call on.
+    # imported numpy.ma on its first call: 7 ms in a first evict), a thread started by one
+    # ~0.1 ms. A fresh process builds a staged and an in-place mover, then evicts and
+    # prefetches (pages of 2-4 valid tokens, layer by layer too) through each: no module is
+    # imported, no thread started, from the first call on.
     script = textwrap.dedent("""
-        import sys, torch, kvmove
+        import sys, threading, torch, kvmove
         with kvmove.MooncakeStore.embedded() as store:
             kv = kvmove.KVCache({"kv": [torch.zeros(64, 656, dtype=torch.uint8)] * 3})
             movers = [kvmove.KVMover(kv, store, page_tokens=4, staging_slots=8, path=path,
                                      key_prefix=path, prefetch_into_free_rows=True)
                       for path in ("staged", "in_place")]
-            before = set(sys.modules)
+            before, threads = set(sys.modules), set(threading.enumerate())
             for mover in movers:
                 keys = [f"{mover.path}-{i}" for i in range(3)]
                 pages = torch.arange(12).reshape(3, 4)
@@ -500,11 +501,12 @@ def test_a_movers_first_calls_import_nothing():
                                           layerwise=layerwise).wait() == ok
                 mover.close()
             print(sorted(set(sys.modules) - before))
+            print(sorted(t.name for t in set(threading.enumerate()) - threads))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+    assert out.stdout.splitlines()[-2:] == ["[]", "[]"], out.stdout
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

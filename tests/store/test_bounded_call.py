@@ -138,6 +138,26 @@ def test_errors_are_returned_and_settled_joins_several():
     joined.result(5)
 
 
+def test_start_idle_starts_threads_that_the_next_calls_run_on():
+    runner = CallRunner("test-idle", max_idle=4)
+
+    def named() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "test-idle"}
+
+    runner.start_idle(3)
+    started = named()
+    assert len(started) == 3
+    runner.start_idle(2)  # three idle already: none more
+    runner.start_idle(9)  # at most max_idle
+    started = named()
+    assert len(started) == 4
+    # Four calls that wait for each other run at once, on those threads, starting none.
+    gate = threading.Barrier(4, timeout=10)
+    futures = [runner.submit(lambda: (gate.wait(), threading.current_thread())[1])
+               for _ in range(4)]
+    assert {f.result(10) for f in futures} == started and named() == started
+
+
 def test_a_watched_call_runs_here_and_gives_its_value_or_error():
     here = threading.get_ident()
     ran, late_calls = [], []
