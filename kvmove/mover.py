@@ -37,6 +37,7 @@ from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import LAYOUTS, StagingBuffer
 from kvmove.path_choice import PathChoice, check_path, log_choice, probe, resolve
 from kvmove.rows.device_ring import prepare_rings
+from kvmove.rows.host_copy import start_helpers
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
@@ -275,6 +276,8 @@ class KVMover:
             pool.start_all()  # now, not in the first calls (a thread start: ~0.1 ms each)
         # The threads the store's calls run on: one per worker and one for a caller
         default_runner().start_idle(2 * workers + 1)
+        if not cuda:
+            start_helpers()  # those that split large host copies (where torch's threads sleep)
         self._lock = threading.Lock()
         # transfers running on callers' threads: in-place puts (CPU evict), and prefetches
         # a waiter runs itself

@@ -214,8 +214,8 @@ class _Part:
 
 
 class _Helpers:
-    """Daemon threads that run queued parts; started as parts need them (a forked child
-    starts its own)."""
+    """Daemon threads that run queued parts; started as parts need them, or before
+    (:func:`start_helpers`; a forked child starts its own)."""
 
     def __init__(self) -> None:
         self._reset()
@@ -230,6 +230,13 @@ class _Helpers:
         """Queue ``parts`` for helper threads, starting up to ``helpers`` of them. Where no
         helper runs (none could be started: at interpreter shutdown, out of threads) nothing
         is queued: the caller runs every part."""
+        self.start(helpers)
+        if self._count:
+            for part in parts:
+                self._queue.put(part)
+
+    def start(self, helpers: int) -> None:
+        """Start helper threads until ``helpers`` run (fewer where none can be started)."""
         if self._count < helpers:
             with self._lock:
                 while self._count < helpers:
@@ -241,9 +248,6 @@ class _Helpers:
                     except RuntimeError:
                         break
                     self._count += 1
-        if self._count:
-            for part in parts:
-                self._queue.put(part)
 
     @staticmethod
     def _serve(work: queue.SimpleQueue) -> None:
@@ -252,3 +256,11 @@ class _Helpers:
 
 
 _helpers = _Helpers()
+
+
+def start_helpers() -> None:
+    """Start the helper threads that split copies use (torch's thread count less one, where
+    torch's threads sleep: the only case that splits), for a caller about to serve: the copy
+    that started one paid ~0.1 ms for it."""
+    if not threads_spin():
+        _helpers.start(torch.get_num_threads() - 1)

@@ -480,31 +480,35 @@ def test_a_movers_workers_start_when_it_is_built_not_in_its_first_calls(store, k
 def test_a_movers_first_calls_import_nothing_and_start_no_thread():
     # An import inside a call is a one-off stall of the engine's step (numpy's np.unique
     # imported numpy.ma on its first call: 7 ms in a first evict), a thread started by one
-    # ~0.1 ms. A fresh process builds a staged and an in-place mover, then evicts and
-    # prefetches (pages of 2-4 valid tokens, layer by layer too) through each: no module is
-    # imported, no thread started, from the first call on.
+    # ~0.1 ms. A fresh process (torch's threads sleeping between parallel regions, where
+    # host copies of 1 MiB and more are split over helper threads) builds a staged and an
+    # in-place mover, then evicts and prefetches 5 MiB (scattered pages of 8-16 valid
+    # tokens, layer by layer too) through each: no module is imported, no thread started,
+    # from the first call on.
     script = textwrap.dedent("""
         import sys, threading, torch, kvmove
         with kvmove.MooncakeStore.embedded() as store:
-            kv = kvmove.KVCache({"kv": [torch.zeros(64, 656, dtype=torch.uint8)] * 3})
-            movers = [kvmove.KVMover(kv, store, page_tokens=4, staging_slots=8, path=path,
+            kv = kvmove.KVCache({"kv": [torch.zeros(4096, 656, dtype=torch.uint8)
+                                        for _ in range(6)]})
+            movers = [kvmove.KVMover(kv, store, page_tokens=16, staging_slots=80, path=path,
                                      key_prefix=path, prefetch_into_free_rows=True)
                       for path in ("staged", "in_place")]
             before, threads = set(sys.modules), set(threading.enumerate())
             for mover in movers:
-                keys = [f"{mover.path}-{i}" for i in range(3)]
-                pages = torch.arange(12).reshape(3, 4)
-                ok = [kvmove.Status.OK] * 3
-                assert mover.evict(keys, pages, valid_tokens=[4, 2, 3]).wait() == ok
+                keys = [f"{mover.path}-{i}" for i in range(80)]
+                pages = torch.arange(158, -1, -2)[:, None] * 16 + torch.arange(16)
+                valid = [16, 8, 12, 16] * 20
+                ok = [kvmove.Status.OK] * 80
+                assert mover.evict(keys, pages, valid_tokens=valid).wait() == ok
                 for layerwise in (False, True):
-                    assert mover.prefetch(keys, pages + 16, valid_tokens=[4, 2, 3],
+                    assert mover.prefetch(keys, pages + 16, valid_tokens=valid,
                                           layerwise=layerwise).wait() == ok
                 mover.close()
             print(sorted(set(sys.modules) - before))
             print(sorted(t.name for t in set(threading.enumerate()) - threads))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+                         timeout=120, cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-2:] == ["[]", "[]"], out.stdout
 
