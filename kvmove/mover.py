@@ -50,7 +50,7 @@ from kvmove.status import (
     STAGING_TIMEOUT,
     Status,
 )
-from kvmove.store.bounded_call import default_runner, wait_until_returned
+from kvmove.store.bounded_call import start_call_threads, wait_until_returned
 from kvmove.transfer import (
     FutureEvent,
     LayerProgress,
@@ -272,12 +272,15 @@ class KVMover:
         # Puts never wait for slots; prefetch jobs do: on one pool, prefetches waiting for
         # slots could hold every worker while the puts that free them wait in the queue.
         self._put_executor = JobThreads(workers, "kvmove-put")
+        # Every thread the calls use starts now, not in a first call (~0.1 ms each): the
+        # workers; threads for the store's calls (for a call on each worker and one on a
+        # caller's thread, as far as the process's runner keeps idle threads) and its
+        # watchdog; on the CPU, the helpers of large host copies (where they split).
         for pool in (self._executor, self._put_executor):
-            pool.start_all()  # now, not in the first calls (a thread start: ~0.1 ms each)
-        # The threads the store's calls run on: one per worker and one for a caller
-        default_runner().start_idle(2 * workers + 1)
+            pool.start_all()
+        start_call_threads(2 * workers + 1)
         if not cuda:
-            start_helpers()  # those that split large host copies (where torch's threads sleep)
+            start_helpers()
         self._lock = threading.Lock()
         # transfers running on callers' threads: in-place puts (CPU evict), and prefetches
         # a waiter runs itself

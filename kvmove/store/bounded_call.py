@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,7 +44,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 __all__ = ["CallOutcome", "CallRunner", "SpanBudget", "StartedCall", "Watchdog", "call_bounded",
-           "call_watched", "default_runner", "settled", "start_call", "wait_until_returned"]
+           "call_watched", "default_runner", "settled", "start_call", "start_call_threads",
+           "wait_until_returned"]
 
 
 class CallRunner:
@@ -55,6 +57,10 @@ class CallRunner:
     def __init__(self, name: str = "kvmove-call", max_idle: int = 8):
         self.name = name
         self.max_idle = max_idle
+        self._reset()
+
+    def _reset(self) -> None:
+        """No thread, no call (a forked child's state: the parent's threads are not in it)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
@@ -76,13 +82,15 @@ class CallRunner:
 
     def start_idle(self, n: int) -> None:
         """Start threads until ``n`` are idle (at most ``max_idle``): for a caller about to
-        serve, so that its first calls start none (a thread start costs the call ~0.1 ms)."""
+        serve, so that its first calls start none (a thread start costs the call ~0.1 ms).
+        ``RuntimeError`` where no more threads can be started."""
         with self._lock:
             add = max(0, min(n, self.max_idle) - self._idle)
-            self._idle += add
-            self._started += add
-        for _ in range(add):  # counted idle already: each takes a call from the queue
+        for _ in range(add):
             threading.Thread(target=self._work, name=self.name, daemon=True).start()
+            with self._lock:  # counted once started: each takes a call from the queue
+                self._idle += 1
+                self._started += 1
 
     def _work(self) -> None:
         while True:
@@ -204,6 +212,11 @@ class Watchdog:
     def __init__(self, timeout: float | None = None, name: str = "kvmove-watchdog"):
         self.timeout = timeout
         self.name = name
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing armed, no thread (a forked child's state: the parent's thread is not in
+        it)."""
         self._armed: dict[object, tuple[float, Callable[[], None]]] = {}
         # arm/disarm take the lock itself (a C lock: twice per watched call); the thread
         # waits on the condition
@@ -221,12 +234,22 @@ class Watchdog:
         with self._lock:
             self._armed[token] = (deadline, on_late)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name,
-                                                daemon=True)
-                self._thread.start()
+                self._start_thread()
             if deadline < self._wakes_at:
                 self._wakes_at = deadline
                 self._cond.notify()
+
+    def start(self) -> None:
+        """Start the thread now, for a caller about to serve (else the first call armed
+        starts it)."""
+        with self._lock:
+            if self._thread is None:
+                self._start_thread()
+
+    def _start_thread(self) -> None:  # the lock held
+        thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        thread.start()
+        self._thread = thread
 
     def disarm(self, token: object) -> bool:
         """The call ``token`` returned: True when in time, False when the watchdog gave up
@@ -262,6 +285,25 @@ class Watchdog:
 
 
 _WATCHDOG = Watchdog(name="kvmove-call-watchdog")
+
+
+def _reset_after_fork() -> None:
+    _RUNNER._reset()
+    _WATCHDOG._reset()
+
+
+# A child forked by a process that made calls would otherwise count idle threads and a
+# watchdog thread that it does not have: its calls would wait for ever.
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def start_call_threads(idle_runners: int) -> None:
+    """Start, before serving, the threads that store calls run on: runner threads until
+    ``idle_runners`` are idle (at most the runner's ``max_idle``, shared by the process)
+    and the watchdog of calls made on their caller's thread (a call that started one paid
+    ~0.1 ms for it)."""
+    _RUNNER.start_idle(idle_runners)
+    _WATCHDOG.start()
 
 
 class _LateFuture:

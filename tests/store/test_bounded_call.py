@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +34,8 @@ from kvmove.store.bounded_call import (
 from tests.support.caches import make_layers, snapshot
 from tests.support.holder import Holder
 from tests.support.store_state import regions_in_use, registered_regions
+
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 PAGE = 4
 
@@ -156,6 +162,44 @@ def test_start_idle_starts_threads_that_the_next_calls_run_on():
     futures = [runner.submit(lambda: (gate.wait(), threading.current_thread())[1])
                for _ in range(4)]
     assert {f.result(10) for f in futures} == started and named() == started
+
+
+def test_a_started_watchdog_gives_up_on_a_late_call_from_its_own_thread():
+    dog = Watchdog(name="test-dog")
+    dog.start()
+    dog.start()  # once
+    started = [t for t in threading.enumerate() if t.name == "test-dog"]
+    assert len(started) == 1
+    fired = []
+    out = call_watched(time.sleep, 0.3, timeout=0.05, watchdog=dog,
+                       on_late=lambda late: fired.append(threading.current_thread()))
+    assert not out.done and fired == started
+    dog.stop()
+
+
+def test_a_forked_child_runs_its_calls_on_threads_of_its_own():
+    # The parent's runner threads (started idle) and watchdog thread are not in a forked
+    # child: the child counts none, and starts its own for its first calls.
+    script = textwrap.dedent("""
+        import os, time
+        from kvmove.store import bounded_call as bc
+        bc.start_call_threads(2)
+        assert bc.default_runner().submit(lambda: 1).result(10) == 1
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ran = bc.default_runner().submit(lambda: 42).result(10) == 42
+                fired = []
+                out = bc.call_watched(time.sleep, 0.3, timeout=0.05, on_late=fired.append)
+                os._exit(0 if ran and fired and not out.done else 3)
+            except BaseException:
+                os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.stdout.split() == ["0"], (out.stdout, out.stderr[-2000:])
 
 
 def test_a_watched_call_runs_here_and_gives_its_value_or_error():
