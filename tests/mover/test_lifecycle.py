@@ -477,6 +477,29 @@ def test_a_movers_workers_start_when_it_is_built_not_in_its_first_calls(store, k
     assert not any(t.is_alive() for t in built)
 
 
+def test_a_mover_whose_build_fails_leaves_no_worker_running(store, monkeypatch):
+    # The workers start before the staging is registered with the store: where that
+    # fails, the half-built mover's workers end with it, even while the caller keeps the
+    # error (its traceback holds the mover).
+    def workers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if re.fullmatch(r"kvmove(-put)?_\d+", t.name)}
+
+    before = workers()
+
+    def refuse(staging):
+        raise kvmove.StoreError("no memory for you")
+
+    monkeypatch.setattr(store, "register", refuse)
+    with pytest.raises(kvmove.StoreError, match="no memory for you") as failed:
+        kvmove.KVMover(hybrid(64), store, page_tokens=PAGE, staging_slots=4, workers=2,
+                       path="staged", key_prefix="build-fails")
+    deadline = time.monotonic() + 10
+    while workers() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert workers() - before == set()
+    assert failed.tb is not None  # kept until here
+
+
 def test_a_movers_first_calls_import_nothing_and_start_no_thread():
     # An import inside a call is a one-off stall of the engine's step (numpy's np.unique
     # imported numpy.ma on its first call: 7 ms in a first evict), a thread started by one
