@@ -143,7 +143,11 @@ def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """Within one pool, no row is both read and written (``-1`` excepted): the result would
     depend on the order of the copies."""
     a, b = _values(src_rows), _values(dst_rows)
-    shared = a[(a >= 0) & np.isin(a, b[b >= 0])]  # not intersect1d: see has_repeats
+    read, written = a[a >= 0], np.sort(b[b >= 0])  # not intersect1d/isin: see has_repeats
+    if not (read.size and written.size):
+        return
+    found = written[np.searchsorted(written, read).clip(max=written.size - 1)]
+    shared = read[found == read]
     if shared.size:
         raise ValueError(f"src_rows and dst_rows both name row {int(shared[0])} of the same "
                          "pool: a copy within one pool must not write a row it reads")

@@ -3,6 +3,11 @@ the named exception, naming the argument and the first bad value."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmove import checks
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_as_index_tensor_takes_tensors_and_lists_of_ints():
@@ -85,6 +92,35 @@ def test_has_repeats_says_whether_a_value_occurs_twice(values):
 
 @given(st.lists(st.integers(-1, 20), max_size=30), st.lists(st.integers(-1, 20), max_size=30))
 def test_check_disjoint_refuses_exactly_a_row_both_name(src, dst):
+    _check_disjoint_against_sets(src, dst)
+
+
+@given(st.lists(st.integers(-1, 10**6), max_size=40), st.lists(st.integers(-1, 10**6),
+                                                                  max_size=40))
+def test_check_disjoint_on_rows_spread_far_apart(src, dst):
+    _check_disjoint_against_sets(src, dst + src[:1])  # shares a row when src has one
+
+
+def test_the_checks_import_nothing_on_their_first_call():
+    # np.unique, np.intersect1d and np.isin (on rows spread far apart) import numpy.ma on
+    # their first call in a process: 4-10 ms inside whatever call made it.
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np, torch
+        from kvmove import checks
+        before = set(sys.modules)
+        rows = torch.arange(0, 64_000, 1000)
+        checks.check_disjoint(rows, rows + 1)
+        checks.has_repeats(np.arange(50) * 977)
+        checks.check_unique(rows, "rows")
+        print(sorted(set(sys.modules) - before))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, check=True)
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+
+
+def _check_disjoint_against_sets(src, dst):
     shared = {r for r in src if r >= 0} & {r for r in dst if r >= 0}
     a, b = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
     if not shared:
