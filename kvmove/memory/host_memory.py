@@ -11,11 +11,12 @@ One anonymous ``mmap`` per allocation gives page-aligned, zero-filled memory:
 - **Unregistered before it is unmapped.** :meth:`HostMemory.close` unregisters; an
   allocation dropped without it is unregistered by a ``weakref.finalize`` that holds the
   mapping, so the pages stay mapped until the unregister has run.
-- **Resident from the start.** The mapping is populated when it is made
-  (``MAP_POPULATE``): no page of it faults in later, while serving. Pinning populates it
-  too; without it (a host-memory KV cache) the first calls that touched fresh staging
-  slots paid for their pages (measured on a 2-vCPU VM: the first get of 32 one-token pages
-  x 61 layers took 1.0 ms, the next ones 0.4 ms; populated, 0.48 ms).
+- **Resident from the start.** On Linux the mapping is populated when it is made
+  (``MAP_POPULATE``; the process holds all of it from then on): no page of it faults in
+  later, while serving. Pinning populates it too; without it (a host-memory KV cache) the
+  first calls that touched fresh staging slots paid for their pages (measured on a 2-vCPU
+  VM: the first get of 32 one-token pages x 61 layers took 1.0 ms, the next ones 0.4 ms;
+  populated, 0.48 ms).
 - **Not shared with forked children.** ``madvise(MADV_DONTFORK)``: a child of ``fork`` (the
   embedded Mooncake master is started by fork + exec) gets no copy-on-write view of pinned
   pages, so a write by the parent never moves a page away from the device's mapping, and
