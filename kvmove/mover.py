@@ -223,10 +223,10 @@ class KVMover:
             self._build(page_tokens, staging_slots, backend, layout, checksum, workers,
                         alloc_timeout, check)
         except BaseException:
-            self._unregister_rows()  # the KV memory is not left registered with the store
             for pool in (getattr(self, "_executor", None), getattr(self, "_put_executor", None)):
                 if pool is not None:  # its workers, started already, end (no job queued)
                     pool.shutdown(wait=False)
+            self._unregister_rows()  # the KV memory is not left registered with the store
             raise
 
     def _build(self, page_tokens, staging_slots, backend, layout, checksum, workers,

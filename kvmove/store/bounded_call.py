@@ -294,7 +294,8 @@ def _reset_after_fork() -> None:
 
 # A child forked by a process that made calls would otherwise count idle threads and a
 # watchdog thread that it does not have: its calls would wait for ever.
-os.register_at_fork(after_in_child=_reset_after_fork)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def start_call_threads(idle_runners: int) -> None:

@@ -166,15 +166,17 @@ def test_start_idle_starts_threads_that_the_next_calls_run_on():
 
 def test_a_started_watchdog_gives_up_on_a_late_call_from_its_own_thread():
     dog = Watchdog(name="test-dog")
-    dog.start()
-    dog.start()  # once
-    started = [t for t in threading.enumerate() if t.name == "test-dog"]
-    assert len(started) == 1
-    fired = []
-    out = call_watched(time.sleep, 0.3, timeout=0.05, watchdog=dog,
-                       on_late=lambda late: fired.append(threading.current_thread()))
-    assert not out.done and fired == started
-    dog.stop()
+    try:
+        dog.start()
+        dog.start()  # once
+        started = [t for t in threading.enumerate() if t.name == "test-dog"]
+        assert len(started) == 1
+        fired = []
+        out = call_watched(time.sleep, 1.5, timeout=0.05, watchdog=dog,
+                           on_late=lambda late: fired.append(threading.current_thread()))
+        assert not out.done and fired == started
+    finally:
+        dog.stop()
 
 
 def test_a_forked_child_runs_its_calls_on_threads_of_its_own():
@@ -190,7 +192,7 @@ def test_a_forked_child_runs_its_calls_on_threads_of_its_own():
             try:
                 ran = bc.default_runner().submit(lambda: 42).result(10) == 42
                 fired = []
-                out = bc.call_watched(time.sleep, 0.3, timeout=0.05, on_late=fired.append)
+                out = bc.call_watched(time.sleep, 1.5, timeout=0.05, on_late=fired.append)
                 os._exit(0 if ran and fired and not out.done else 3)
             except BaseException:
                 os._exit(4)
