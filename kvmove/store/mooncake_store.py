@@ -142,6 +142,7 @@ from kvmove.store.bounded_call import (
     default_runner,
     settled,
     start_call,
+    start_call_threads,
     wait_until_returned,
 )
 from kvmove.store.config import DEFAULT_TENANT_ID, StoreConfig
@@ -523,6 +524,10 @@ class MooncakeStore:
 
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = self.config.replicas
+        # The threads its calls run on start now, not in the first calls (~0.1 ms each): one
+        # for a put and one for a get at a time (an engine's saving and loading threads),
+        # or as many as a call runs side by side, and the watchdog.
+        start_call_threads(max(2, self.limits.side_by_side))
 
     # -- opening ---------------------------------------------------------------------------
     @staticmethod

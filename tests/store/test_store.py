@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from tests.support.store_state import registered_regions
 from tests.support.threads import run_threads
 
 pytestmark = pytest.mark.store
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def _zero_slots(staging, slots):
@@ -274,3 +279,28 @@ def test_bad_arguments(store):
         kvmove.MooncakeStore.embedded(master_address="127.0.0.1:1")
     with pytest.raises(ValueError, match="unknown store config field 'segment'"):
         kvmove.MooncakeStore.embedded(segment=1)
+
+
+def test_a_stores_first_calls_start_no_thread():
+    # A call that starts a thread pays ~0.1 ms for it: a fresh process's store starts the
+    # threads its calls run on when it connects. Its first puts, gets and exists checks,
+    # made straight from the caller (as SGLang's backend does), then start none.
+    script = textwrap.dedent("""
+        import threading, torch, kvmove
+        with kvmove.MooncakeStore.embedded() as store:
+            kv = kvmove.KVCache({"kv": torch.zeros(2, 64, 656, dtype=torch.uint8)})
+            staging = kvmove.StagingBuffer(kv, num_slots=8, page_tokens=4)
+            store.register(staging)
+            keys = [f"k{i}" for i in range(4)]
+            threads = set(threading.enumerate())
+            assert store.put(kvmove.describe(staging, [0, 1, 2, 3], keys)).all_ok
+            assert store.get(kvmove.describe(staging, [4, 5, 6, 7], keys)).all_ok
+            assert list(store.exists(keys)) == [True] * 4
+            print(sorted(t.name for t in set(threading.enumerate()) - threads))
+            store.unregister(staging)
+            staging.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
