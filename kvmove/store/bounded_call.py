@@ -64,16 +64,13 @@ class CallRunner:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
-        self._started = 0
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on a runner thread; its future."""
         future: Future = Future()
         with self._lock:
             start = self._idle == 0
-            if start:
-                self._started += 1
-            else:
+            if not start:
                 self._idle -= 1  # an idle thread will take this call
         self._queue.put((future, fn, args))
         if start:
@@ -90,7 +87,6 @@ class CallRunner:
             threading.Thread(target=self._work, name=self.name, daemon=True).start()
             with self._lock:  # counted once started: each takes a call from the queue
                 self._idle += 1
-                self._started += 1
 
     def _work(self) -> None:
         while True:
