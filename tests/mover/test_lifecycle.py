@@ -457,22 +457,24 @@ def _busy_worker_and_job_threads(mover):
     return gate, ran_on
 
 
+def mover_workers() -> set[threading.Thread]:
+    """The worker threads of every mover in this process (named by their pools)."""
+    return {t for t in threading.enumerate() if re.fullmatch(r"kvmove(-put)?_\d+", t.name)}
+
+
 def test_a_movers_workers_start_when_it_is_built_not_in_its_first_calls(store, keyspace):
     # A call that starts a thread pays ~0.1 ms for it: the mover starts its workers (both
     # pools) when it is built, and its first evict and prefetch start none.
-    def workers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if re.fullmatch(r"kvmove(-put)?_\d+", t.name)}
-
-    before = workers()
+    before = mover_workers()
     mover = kvmove.KVMover(hybrid(64), store, page_tokens=PAGE, staging_slots=4, workers=2,
                            path="staged", key_prefix="workers-built")
-    built = workers() - before
+    built = mover_workers() - before
     assert sorted(t.name for t in built) == ["kvmove-put_0", "kvmove-put_1", "kvmove_0",
                                              "kvmove_1"]
     keys = keyspace(2)
     assert mover.evict(keys, pages(0, 2)).wait() == [Status.OK] * 2
     assert mover.prefetch(keys, pages(8, 2)).wait() == [Status.OK] * 2
-    assert workers() - before == built
+    assert mover_workers() - before == built
     mover.close()
     assert not any(t.is_alive() for t in built)
 
@@ -481,10 +483,7 @@ def test_a_mover_whose_build_fails_leaves_no_worker_running(store, monkeypatch):
     # The workers start before the staging is registered with the store: where that
     # fails, the half-built mover's workers end with it, even while the caller keeps the
     # error (its traceback holds the mover).
-    def workers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if re.fullmatch(r"kvmove(-put)?_\d+", t.name)}
-
-    before = workers()
+    before = mover_workers()
 
     def refuse(staging):
         raise kvmove.StoreError("no memory for you")
@@ -494,9 +493,9 @@ def test_a_mover_whose_build_fails_leaves_no_worker_running(store, monkeypatch):
         kvmove.KVMover(hybrid(64), store, page_tokens=PAGE, staging_slots=4, workers=2,
                        path="staged", key_prefix="build-fails")
     deadline = time.monotonic() + 10
-    while workers() - before and time.monotonic() < deadline:
+    while mover_workers() - before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert workers() - before == set()
+    assert mover_workers() - before == set()
     assert failed.tb is not None  # kept until here
 
 
