@@ -34,9 +34,9 @@ import torch
 from bench.cases import Case
 from bench.workload import Workload
 from kvmove.memory.row_pool import shared_wide_type
-from kvmove.rows.host_copy import host_arrays, put_units, take_into_run, threads_for
 from kvmove.rows.plan import unit_tokens
-from kvmove.rows.torch_backend import (
+from kvmove.rows.torch_backend.host_copy import host_arrays, put_units, take_into_run, threads_for
+from kvmove.rows.torch_backend.reference import (
     MEMMOVE_MAX_BYTES,
     SERIAL_SELECT_MAX_BYTES,
     stacked_select_max_bytes,
@@ -81,7 +81,8 @@ def primitive_units(w: Workload, case: Case) -> Method:
     memory (or a ``copy_``, larger or on a device); else one call for every layer where
     both sides' layers are one evenly spaced view (an ``index_select`` only while the copy
     is small, as the backend does); else numpy's copies where the backend makes them
-    (:mod:`kvmove.rows.host_copy`); else per layer ``index_select`` / ``index_copy_``."""
+    (:mod:`kvmove.rows.torch_backend.host_copy`); else per layer ``index_select`` /
+    ``index_copy_``."""
     unit = unit_tokens(case.page_tokens, w.row_bytes)
     token_pages, _, _ = w.indices(case.pages)
     per_page = case.page_tokens // unit

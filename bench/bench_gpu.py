@@ -477,7 +477,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU (torch sees none)"}
-    from kvmove.rows.copy_engine import cuda_copier
+    from kvmove.rows.copy_engine.span_copies import cuda_copier
 
     refused = cuda_copier().batch_failures
     vs_bulk, vs_page = measure_copies(args, device)

@@ -109,7 +109,7 @@ def run_workload(name: str, store, args) -> dict:
     src, dst = workload_pages(pages, page_tokens, num_slots, seed=2)
     object_bytes = layers * page_tokens * row_bytes
     total = pages * object_bytes
-    client = store._client  # the floor talks to the same Mooncake client
+    client = store.raw_client  # the floor talks to the same Mooncake client
     store.register([(cache.data_ptr(), cache.numel())])
     src_spans, dst_spans = floor_spans(cache, src), floor_spans(cache, dst)
     sizes = [[row_bytes] * (layers * page_tokens)] * pages

@@ -89,7 +89,7 @@ def run(args) -> dict:
         flat = torch.randint(0, 256, (total,), dtype=torch.uint8)
         flat_back = torch.zeros_like(flat)
         store.register([(flat.data_ptr(), flat.numel()), (flat_back.data_ptr(), total)])
-        client = store._client
+        client = store.raw_client
         raw_src = [flat.data_ptr() + i * object_bytes for i in range(n)]
         raw_dst = [flat_back.data_ptr() + i * object_bytes for i in range(n)]
         sizes = [object_bytes] * n

@@ -118,7 +118,7 @@ def bench_transfer(args) -> dict:
         store.register(staging)
         store.register([(flat_src.data_ptr(), flat_src.numel()),
                         (flat_dst.data_ptr(), flat_dst.numel())])
-        client = store._client  # the raw baseline talks to the same client
+        client = store.raw_client  # the raw baseline talks to the same client
         raw_ptrs = [flat_src.data_ptr() + i * object_bytes for i in range(n)]
         raw_dst = [flat_dst.data_ptr() + i * object_bytes for i in range(n)]
         sizes = [object_bytes] * n

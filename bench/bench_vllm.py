@@ -134,7 +134,7 @@ def bench(args) -> dict:
         views, _ = block_regions([(f"l{i}", t) for i, t in enumerate(src)], num_blocks)
         mover = block_mover(views, store, staging_slots=n, path=args.path)  # the connector's
         choice = mover.path_choice
-        client = store._client  # vLLM's path talks to the same Mooncake client
+        client = store.raw_client  # vLLM's path talks to the same Mooncake client
         store.register([(storage.data_ptr(), storage.nbytes())])
         replicate = ReplicateConfig()
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import importlib
 
-from kvmove.rows import openmp_environ as _openmp_environ
+from kvmove.rows.torch_backend import openmp_environ as _openmp_environ
 
 _openmp_environ.watch()  # how torch's OpenMP threads wait, as torch loads (CPU copies)
 
 # public name -> module that defines it
 _EXPORTS = {
-    "Descriptors": "kvmove.descriptors",
+    "Descriptors": "kvmove.objects.descriptors",
     "EmbeddedMaster": "kvmove.store.embedded_master",
     "HostPool": "kvmove.memory.host_pool",
     "KVCache": "kvmove.memory.cache",
     "KVMoveError": "kvmove.errors",
-    "KVMover": "kvmove.mover",
+    "KVMover": "kvmove.mover.kv_mover",
     "MooncakeStore": "kvmove.store.mooncake_store",
     "PageReceiver": "kvmove.direct.receiver",
     "PageSender": "kvmove.direct.sender",
@@ -31,9 +31,9 @@ _EXPORTS = {
     "StoreConfig": "kvmove.store.config",
     "StoreError": "kvmove.errors",
     "StoreResult": "kvmove.store.mooncake_store",
-    "Transfer": "kvmove.transfer",
+    "Transfer": "kvmove.mover.transfer",
     "copy_rows": "kvmove.rows.moves",
-    "describe": "kvmove.descriptors",
+    "describe": "kvmove.objects.descriptors",
     "gather": "kvmove.rows.moves",
     "scatter": "kvmove.rows.moves",
 }

@@ -52,8 +52,8 @@ def keyspace():
 def triton_interpreter(request, monkeypatch):
     """Kernels run on the CPU through the Triton interpreter: set per test, never globally
     (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``). Where this machine's
-    Triton interpreter cannot run kernels (see ``interpreter_check``), the tests that run one
-    are skipped with the reason: those marked ``interpreter`` and those whose ``backend``
+    Triton interpreter cannot run kernels (``tests/support/interpreter.py``), the tests that
+    run one are skipped with the reason: those marked ``interpreter`` and those whose ``backend``
     parameter is ``"triton"``. Torch-backend tests still run."""
     from tests.support.interpreter import interpreter_problem
 

@@ -260,10 +260,10 @@ def check_in_place(address: str | None, gpu_name: str | None) -> list[Finding]:
     """Which KV caches the transport lets a mover move in place (the store reading and
     writing the KV rows, no staging copy): host memory always, device memory only over a
     transport that reads it. What ``path="auto"`` picks for a cache is measured when the
-    mover is built and logged (``kvmove.path_choice``: "KVMover path: ...")."""
+    mover is built and logged (``kvmove.mover.path_choice``: "KVMover path: ...")."""
     import torch
 
-    from kvmove.in_place import rows_reachable
+    from kvmove.objects.in_place import rows_reachable
     from kvmove.store.config import StoreConfig
 
     try:

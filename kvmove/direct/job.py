@@ -11,8 +11,8 @@ import numpy as np
 
 from kvmove.direct.slots import LayerSlots
 from kvmove.direct.spans import SpanPlan
+from kvmove.mover.transfer import StageTimes, TransferResult
 from kvmove.status import Status
-from kvmove.transfer import StageTimes, TransferResult
 
 
 class SendJob:

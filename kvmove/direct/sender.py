@@ -30,12 +30,12 @@ from kvmove.direct.spans import plan_spans
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import StagingBuffer
+from kvmove.mover.transfer import Transfer, TransferResult
 from kvmove.rows.moves import copy_pages
 from kvmove.rows.prepared import prepared_copy, resolve_backend
 from kvmove.status import CLIENT_EXCEPTION, NOT_SENT, STAGING_TIMEOUT, Status
 from kvmove.store.bounded_call import Watchdog
 from kvmove.store.transfer_engine import ENGINE_ENV_DEFAULTS, TransportSettings
-from kvmove.transfer import Transfer, TransferResult
 from kvmove.tuning.autotune import tune_for_copies
 
 log = logging.getLogger(__name__)

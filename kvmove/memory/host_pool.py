@@ -18,7 +18,7 @@ Page ``p`` is tokens ``p * page_tokens .. (p + 1) * page_tokens - 1``. Buffers o
 share the layout, ``page_tokens`` and the number of pages; a page's object holds its spans of
 every buffer, in declaration order. Where an engine stores one object per buffer (SGLang's
 MHA ``_k`` and ``_v`` objects), describe one pool per buffer and
-:func:`kvmove.descriptors.concat` the descriptors into one batch.
+:func:`kvmove.objects.descriptors.concat` the descriptors into one batch.
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ import torch
 
 from kvmove.checks import check_same_geometry
 from kvmove.memory.row_pool import BufferRows, RowPool
-from kvmove.rows import two_hop
+from kvmove.rows.copy_engine import two_hop
 from kvmove.rows.host_indices import pair_to_device
 from kvmove.rows.launch_config import preferred_backend
 from kvmove.rows.plan import RowPlan, plan_rows
 from kvmove.rows.row_numbers import page_rows
-from kvmove.rows.torch_backend import copy_rows_torch
-from kvmove.rows.triton_launch import KernelArgs, kernel_args, launch
+from kvmove.rows.torch_backend.reference import copy_rows_torch
+from kvmove.rows.triton_backend.launcher import KernelArgs, kernel_args, launch
 
 BACKENDS = ("auto", "triton", "torch", "two_hop")
 PREPARED_KEPT = 64  # per row pool: prepared copies kept (least recently used dropped)

@@ -116,8 +116,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from kvmove.descriptors import Descriptors, check_keys
 from kvmove.errors import StoreError
+from kvmove.objects.descriptors import Descriptors, check_keys
 from kvmove.status import (
     CALL_TIMEOUT,
     CLIENT_EXCEPTION,
@@ -638,6 +638,17 @@ class MooncakeStore:
     @property
     def address(self) -> str:
         return self.config.master_address
+
+    @property
+    def transport(self) -> str:
+        """What the transfers run over (``config.protocol``: ``"tcp"`` or ``"rdma"``)."""
+        return self.config.protocol
+
+    @property
+    def raw_client(self):
+        """The Mooncake client the store's calls run on now, for baselines that call
+        Mooncake directly on the same connection (its calls bypass every bound above)."""
+        return self._client
 
     @property
     def closed(self) -> bool:

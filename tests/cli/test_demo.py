@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from kvmove import mover as mover_module
 from kvmove.cli import demo
+from kvmove.mover import kv_mover as mover_module
 
 SMALL = ["--layers", "4", "--pages", "40", "--resident", "12", "--topk", "6", "--steps", "30",
          "--page-tokens", "4"]

@@ -42,7 +42,7 @@ def compiled_kernels(monkeypatch, tmp_path):
 def no_refused_batch():
     """A batch ``cuMemcpyBatchAsync`` refused falls back to one copy per span: right bytes,
     lost speed. On the GPU machine that is a failure of the test that caused it."""
-    from kvmove.rows.copy_engine import cuda_copier
+    from kvmove.rows.copy_engine.span_copies import cuda_copier
 
     before = cuda_copier().batch_failures
     yield

@@ -56,7 +56,7 @@ def test_two_hop_matches_direct(batch, side_stream, ring, monkeypatch):
 def test_two_hop_with_device_rows_takes_the_direct_kernel():
     """Device-resident rows never reach the host: a two-hop copy given them runs the direct
     kernel (same bytes), the ring untouched."""
-    from kvmove.rows.device_ring import ring_for
+    from kvmove.rows.copy_engine.device_ring import ring_for
 
     buffers = [("kv", 3, 656, torch.uint8, 0)]
     kv = build(buffers, 1024)
@@ -73,7 +73,7 @@ def test_two_hop_with_device_rows_takes_the_direct_kernel():
 
 
 def test_copy_engine_spans_on_a_side_stream_in_one_call():
-    from kvmove.rows.copy_engine import copy_spans, cuda_copier
+    from kvmove.rows.copy_engine.span_copies import copy_spans, cuda_copier
 
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=CUDA)
     host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
@@ -97,7 +97,7 @@ def test_copy_engine_spans_on_a_side_stream_in_one_call():
 
 @pytest.mark.parametrize("batch", [True, False])
 def test_copy_engine_grid_covers_every_layer(batch):
-    from kvmove.rows.copy_engine import copy_span_grid, cuda_copier
+    from kvmove.rows.copy_engine.span_copies import copy_span_grid, cuda_copier
 
     layers, pitch = 5, 1 << 16
     src = torch.randint(0, 256, (layers * pitch,), dtype=torch.uint8, device=CUDA)

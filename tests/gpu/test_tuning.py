@@ -77,7 +77,7 @@ def test_a_mover_built_with_autotune_fills_the_user_cache(monkeypatch, gpu_store
 
 def test_auto_uses_the_two_hop_path_where_recorded():
     from kvmove.rows import launch_config
-    from kvmove.rows.device_ring import ring_for
+    from kvmove.rows.copy_engine.device_ring import ring_for
     from kvmove.rows.prepared import prepared_copy
 
     path = launch_config.cache_path(torch.cuda.get_device_name())

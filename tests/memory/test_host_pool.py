@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.descriptors import concat
+from kvmove.objects.descriptors import concat
 
 
 def mla_pool(layout: str, layers: int, size: int, page: int, dim: int = 16, *, seed: int = 0,

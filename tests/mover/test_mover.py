@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvmove
-from kvmove import mover as mover_module
+from kvmove.mover import kv_mover as mover_module
 from kvmove.status import BAD_ROWS, STAGING_TIMEOUT
 from tests.support.caches import GEOMETRIES, snapshot, write_random
 from tests.support.threads import run_threads

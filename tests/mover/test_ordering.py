@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kvmove
-from kvmove import transfer as transfer_module
+from kvmove.mover import transfer as transfer_module
 from tests.support.fake_cuda import FakeCuda
 
 pytestmark = pytest.mark.store

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.rows import torch_backend
 from kvmove.rows.prepared import (
     PREPARED_KEPT,
     PreparedCopy,
@@ -24,6 +23,7 @@ from kvmove.rows.prepared import (
     resolve_backend,
     select_layers,
 )
+from kvmove.rows.torch_backend import reference as torch_backend
 from tests.support.caches import assert_same, buffer_specs, build_cache, fill_random, snapshot
 
 SETTINGS = settings(max_examples=20, deadline=None,

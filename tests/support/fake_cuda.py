@@ -60,7 +60,7 @@ class FakeCuda:
     stream name), ``"copy"`` (stream name, "gather" or "scatter")."""
 
     def __init__(self, monkeypatch, mover):
-        import kvmove.mover as mover_module
+        import kvmove.mover.kv_mover as mover_module
 
         self.log: list[tuple] = []
         self._lock = threading.Lock()

@@ -20,8 +20,8 @@ import ctypes
 import threading
 from collections import Counter
 
-from kvmove.descriptors import Descriptors
 from kvmove.errors import StoreError
+from kvmove.objects.descriptors import Descriptors
 from kvmove.status import (
     INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,
@@ -40,6 +40,9 @@ class MemoryStore:
         self._lock = threading.Lock()
         self.closed = False
         self.calls: Counter = Counter()  # put / get / exists / remove / register / unregister
+
+    transport = None  # it cannot read a KV cache's rows in place
+    address = "memory"
 
     # -- memory -------------------------------------------------------------------------
     @staticmethod
@@ -74,7 +77,8 @@ class MemoryStore:
         return used
 
     # -- calls --------------------------------------------------------------------------
-    def put(self, desc: Descriptors, *, detect_exists: bool | None = None) -> StoreResult:
+    def put(self, desc: Descriptors, *, detect_exists: bool | None = None,
+            until_returned: bool = False) -> StoreResult:
         """As ``MooncakeStore.put`` (whose default config asks): a stored key ends ``EXISTS``
         unless ``detect_exists=False``, then ``OK`` (code 0, as Mooncake answers); either
         way its object is kept."""
@@ -99,7 +103,7 @@ class MemoryStore:
             self._release(used)
         return StoreResult(statuses, codes)
 
-    def get(self, desc: Descriptors) -> StoreResult:
+    def get(self, desc: Descriptors, *, until_returned: bool = False) -> StoreResult:
         self._open("get")
         self._check(desc)
         statuses, codes = [], []
@@ -125,6 +129,11 @@ class MemoryStore:
         finally:
             self._release(used)
         return StoreResult(statuses, codes)
+
+    def begin_put(self, keys, *, detect_exists: bool | None = None) -> _PendingPut:
+        """As ``MooncakeStore.begin_put``: its put is a put of the keys it was begun with."""
+        self._open("begin_put")
+        return _PendingPut(self, list(keys), detect_exists)
 
     def exists(self, keys) -> StoreResult:
         self._open("exists")
@@ -168,3 +177,27 @@ class MemoryStore:
                 self._in_use[a] -= 1
                 if not self._in_use[a]:
                     del self._in_use[a]
+
+
+class _PendingPut:
+    def __init__(self, store: MemoryStore, keys: list[str], detect_exists: bool | None):
+        self._store, self.keys, self._detect_exists = store, keys, detect_exists
+        self._closed = False
+
+    def put(self, desc: Descriptors) -> StoreResult:
+        missing = next((k for k in desc.keys if k not in set(self.keys)), None)
+        if missing is not None:
+            raise ValueError(f"desc holds key {missing!r}, which this PendingPut was not "
+                             f"begun with")
+        if self._closed:
+            raise StoreError("put() of a PendingPut that has ended")
+        return self._store.put(desc, detect_exists=self._detect_exists)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> _PendingPut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -33,12 +33,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvmove
-from kvmove.descriptors import concat, describe_trusted
 from kvmove.integrations.sglang.keys import SGLangKeys
 from kvmove.integrations.sglang.pools import PoolView, indexer_view, kv_view
 from kvmove.integrations.sglang.staged import StagedPages, settings
 from kvmove.integrations.sglang.store_config import store_config_for
 from kvmove.memory.host_memory import HostMemory
+from kvmove.objects.descriptors import concat, describe_trusted
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ slot, every layer's row side by side, which for one-row pages is ``[layer][token
 object, byte for byte, under SGLang's own keys (``raw_keys``).
 
 Which path each direction takes is chosen as a mover's ``path`` is
-(:mod:`kvmove.path_choice`): ``"auto"`` (default) times a few scratch pages both ways
+(:mod:`kvmove.mover.path_choice`): ``"auto"`` (default) times a few scratch pages both ways
 through the store when the pool is registered (or takes what an earlier probe of the same
 geometry and transport recorded), ``"staged"`` or ``"in_place"`` as named. Set with
 ``extra_config`` key ``kvmove_path`` or the environment variable ``KVMOVE_SGLANG_PATH``;
@@ -39,7 +39,7 @@ import torch
 
 import kvmove
 from kvmove.errors import StagingFull
-from kvmove.path_choice import PATHS, PathChoice, check_path, probe, resolve
+from kvmove.mover.path_choice import PATHS, PathChoice, check_path, probe, resolve
 from kvmove.store.config import parse_size
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from kvmove.integrations.sglang.staged import (
     prefer_in_place,
     settings,
 )
-from kvmove.path_choice import PathChoice, decide, forget_recorded
+from kvmove.mover.path_choice import PathChoice, decide, forget_recorded
 from tests.integrations.sglang.conftest import (
     LAYERS,
     MLA_DIM,

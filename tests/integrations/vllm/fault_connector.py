@@ -43,7 +43,7 @@ class FaultyKVMoveConnector(KVMoveConnector):
             first = [side.key_prefix + t.keys[0] for t in meta.loads]
             side.store.remove(first, force=True)
             for key in first:
-                assert side.store._client.put(key, bytes(16)) == 0
+                assert side.store.raw_client.put(key, bytes(16)) == 0
         elif mode == "kill":
             os.kill(int(os.environ["KVMOVE_TEST_MASTER_PID"]), signal.SIGKILL)
         elif mode.startswith("kill_holder:"):

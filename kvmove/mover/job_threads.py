@@ -1,7 +1,7 @@
 """``JobThreads``: the worker threads that run a mover's background jobs.
 
 A leaner :class:`concurrent.futures.ThreadPoolExecutor` for the hot path. A job that is a
-future already (:class:`kvmove.transfer.StealableJob`) is queued as it is, with no second
+future already (:class:`kvmove.mover.transfer.StealableJob`) is queued as it is, with no second
 future around it, and a worker that has finished a job goes straight back to the queue. The
 thread waiting for a job is woken by the job's ``set_result``, and then needs the GIL, which
 the worker holds until it blocks on the queue again: whatever the worker does between the
@@ -102,7 +102,7 @@ class JobThreads:
 
     - ``submit(fn, *args)``: queue a call; its future.
     - ``start(job)``: queue an object whose ``run()`` does the work and reports it (a
-      future of its own, such as :class:`kvmove.transfer.StealableJob`).
+      future of its own, such as :class:`kvmove.mover.transfer.StealableJob`).
     - ``start_all()``: start every worker now, before the first job.
     - ``shutdown(wait=True)``: no job is taken after it; those queued before it run, and
       with ``wait`` it returns once they have (from a worker's own thread it does not

@@ -1,4 +1,4 @@
-"""kvmove.transfer on its own: a Transfer's pieces joined in key order whatever order they
+"""kvmove.mover.transfer on its own: a Transfer's pieces joined in key order whatever order they
 finish in, a bounded wait, layer progress in order, the CPU stand-ins for CUDA events;
 ``StealableJob`` (a job queued for a worker that the first waiter runs itself when no worker
 has started it: exactly once, inside the guard, errors from ``result()``) and
@@ -15,8 +15,7 @@ from functools import partial
 
 import pytest
 
-from kvmove.status import Status
-from kvmove.transfer import (
+from kvmove.mover.transfer import (
     CompletedEvent,
     FutureEvent,
     LayerProgress,
@@ -26,6 +25,7 @@ from kvmove.transfer import (
     TransferResult,
     join_results,
 )
+from kvmove.status import Status
 
 OK, MISS, FAILED = Status.OK, Status.MISS, Status.FAILED
 

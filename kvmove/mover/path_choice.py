@@ -1,6 +1,6 @@
 """Which way a :class:`~kvmove.KVMover` moves pages: ``"staged"`` (gather into staging, the
 store reads the staging; get into staging, scatter) or ``"in_place"`` (the store reads and
-writes the KV rows where they are, :mod:`kvmove.in_place`), and how ``path="auto"``
+writes the KV rows where they are, :mod:`kvmove.objects.in_place`), and how ``path="auto"``
 chooses, for evictions and for prefetches each.
 
 ``auto`` measures where the answer is open. For one-token pages (a vLLM block, a token of
@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmove.descriptors import Descriptors
-from kvmove.in_place import rows_reachable
 from kvmove.memory.cache import KVCache
 from kvmove.memory.host_memory import HostMemory
+from kvmove.objects.descriptors import Descriptors
+from kvmove.objects.in_place import rows_reachable
 from kvmove.status import Status
 
 __all__ = ["PATHS", "PathChoice", "check_path", "decide", "forget_recorded",

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import kvmove
-from kvmove import Status, path_choice
-from kvmove import mover as mover_module
+from kvmove import Status
 from kvmove.cli.cluster_node import ClusterNode, NodeProcess
 from kvmove.memory.host_memory import HostMemory
+from kvmove.mover import kv_mover as mover_module
+from kvmove.mover import path_choice
 from kvmove.status import BAD_ROWS
 from tests.support.caches import GEOMETRIES, snapshot
 from tests.support.store_state import (

@@ -1,8 +1,8 @@
 """The OpenMP variables as torch's runtime read them. The runtime reads them (how its
 threads wait between parallel regions) once, when torch loads it, and kvmove's CPU copies
-choose by them (:mod:`kvmove.rows.host_copy`). kvmove's modules load lazily, maybe after
-the caller changed a variable, so the package keeps the variables as they were when torch
-loaded:
+choose by them (:mod:`kvmove.rows.torch_backend.host_copy`). kvmove's modules load lazily,
+maybe after the caller changed a variable, so the package keeps the variables as they
+were when torch loaded:
 
 - torch already loaded when kvmove is imported: as they are then (a change made between
   the two imports is not seen: nothing records it);

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.rows.copy_engine import copy_span_grid, copy_spans
-from kvmove.rows.device_ring import ENV_RING_BYTES, ring_capacity, ring_for
+from kvmove.rows.copy_engine.device_ring import ENV_RING_BYTES, ring_capacity, ring_for
+from kvmove.rows.copy_engine.span_copies import copy_span_grid, copy_spans
+from kvmove.rows.copy_engine.two_hop import copy_rows_two_hop, span_grid
 from kvmove.rows.prepared import resolve_backend
-from kvmove.rows.two_hop import copy_rows_two_hop, span_grid
 from tests.support.caches import (
     assert_same,
     buffer_specs,

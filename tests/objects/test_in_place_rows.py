@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove import in_place
-from kvmove.in_place import InPlaceRows, rows_reachable
+from kvmove.objects import in_place
+from kvmove.objects.in_place import InPlaceRows, rows_reachable
 from tests.support.caches import buffer_specs, build_cache, make_layers, snapshot
 
 

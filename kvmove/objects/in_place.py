@@ -50,10 +50,10 @@ from kvmove.checks import (
     check_valid_tokens,
     has_repeats,
 )
-from kvmove.descriptors import Descriptors
 from kvmove.memory.cache import KVCache
 from kvmove.memory.host_memory import HostMemory
 from kvmove.memory.staging import LAYOUTS
+from kvmove.objects.descriptors import Descriptors
 
 __all__ = ["DEVICE_TRANSPORTS", "InPlaceRows", "rows_reachable"]
 

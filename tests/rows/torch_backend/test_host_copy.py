@@ -1,5 +1,5 @@
-"""The torch backend's numpy copies in host memory (:mod:`kvmove.rows.host_copy`): on the
-calling thread, split over helper threads, or left to torch's calls, gathers, scatters and
+"""The torch backend's numpy copies in host memory (:mod:`kvmove.rows.torch_backend.host_copy`):
+on the calling thread, split over helper threads, or left to torch's calls, gathers, scatters and
 copies inside one pool write the same bytes, equal to a per-row reference; a split copy
 runs every part once, finishes where no helper runs, raises a part's error on the caller
 and works in a forked child; the choice follows how torch's threads wait."""
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.rows import host_copy
+from kvmove.rows.torch_backend import host_copy
 from tests.support.caches import assert_same, buffer_specs, build_cache, fill_random, snapshot
 
 SETTINGS = settings(max_examples=25, deadline=None,
@@ -29,7 +29,7 @@ CHOICES = (0, 1, 3)
 
 def forced(threads: int):
     """Every copy of the torch backend takes this choice, whatever its size."""
-    return mock.patch("kvmove.rows.torch_backend.threads_for", lambda *_: threads)
+    return mock.patch("kvmove.rows.torch_backend.reference.threads_for", lambda *_: threads)
 
 
 @st.composite
@@ -293,7 +293,7 @@ def test_the_choice_follows_how_torchs_threads_wait(monkeypatch):
 def test_one_select_for_every_layer_is_smaller_where_torchs_threads_spin(monkeypatch):
     """With threads awake, per-layer selects take a copy past 512 KiB (all layers) to them;
     with sleeping threads or one thread the one call keeps copies up to 4 MiB."""
-    from kvmove.rows.torch_backend import stacked_select_max_bytes
+    from kvmove.rows.torch_backend.reference import stacked_select_max_bytes
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(host_copy, "_threads_sleep", lambda: False)
     assert stacked_select_max_bytes() == 512 << 10
@@ -329,7 +329,7 @@ def test_how_threads_wait_is_read_from_the_environment_torch_loaded_with(at_star
         env["OMP_WAIT_POLICY"] = at_start
     steps = {"torch": "import torch", "kvmove": "import kvmove",
              "find": "import importlib.util; importlib.util.find_spec('torch')",
-             "host_copy": "from kvmove.rows import host_copy",
+             "host_copy": "from kvmove.rows.torch_backend import host_copy",
              "set": f"os.environ['OMP_WAIT_POLICY'] = {later!r}"}
     code = "\n".join(["import os", *(steps[s] for s in order.split(", ")),
                       "print(host_copy._threads_sleep())", ""])

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvmove
-import kvmove.descriptors as descriptors
-from kvmove.descriptors import Descriptors
+import kvmove.objects.descriptors as descriptors
+from kvmove.objects.descriptors import Descriptors
 from tests.support.staging_data import GEOMETRIES, canonical, make_staging, span_bytes
 
 ROW_BYTES = (4, 132, 576, 656, 1152, 4100)

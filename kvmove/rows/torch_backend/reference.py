@@ -24,7 +24,7 @@ Speed on the CPU:
   moves);
 - into a contiguous run of destination rows, every layer of a stacked cache moves in one
   ``index_select`` while the copy is small (:func:`stacked_select_max_bytes`); otherwise
-  host memory moves by numpy (:mod:`kvmove.rows.host_copy`: a memcpy per unit, on the
+  host memory moves by numpy (:mod:`kvmove.rows.torch_backend.host_copy`: a memcpy per unit, on the
   calling thread or split over as many threads as torch uses, where that beats torch's
   OpenMP threads), and the rest by one ``index_select`` per layer (a parallel memcpy per
   row); scattered destinations in host memory move by numpy's indexed assignment on the
@@ -42,14 +42,14 @@ import ctypes
 import torch
 
 from kvmove.memory.row_pool import BufferRows, shared_wide_type
-from kvmove.rows.host_copy import (
+from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
+from kvmove.rows.torch_backend.host_copy import (
     host_arrays,
     put_units,
     take_into_run,
     threads_for,
     threads_spin,
 )
-from kvmove.rows.plan import Part, RowPlan, plan_rows, unit_tokens
 
 # A run of units into a run in host memory moves with one memmove per layer up to this many
 # bytes per layer: no torch dispatch and no views to make (under a microsecond a layer,

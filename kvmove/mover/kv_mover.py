@@ -27,20 +27,29 @@ from kvmove.checks import (
     check_valid_tokens,
     small_rows_ok,
 )
-from kvmove.checksum import TRAILER_BYTES, PageChecksum
-from kvmove.descriptors import Descriptors, describe_trusted
 from kvmove.errors import KVMoveError, StagingFull, StoreError
-from kvmove.in_place import InPlaceRows
-from kvmove.job_threads import JobThreads
-from kvmove.keys import KeySpace, RawKeys
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import LAYOUTS, StagingBuffer
-from kvmove.path_choice import PathChoice, check_path, log_choice, probe, resolve
-from kvmove.rows.device_ring import prepare_rings
-from kvmove.rows.host_copy import start_helpers
+from kvmove.mover.job_threads import JobThreads
+from kvmove.mover.path_choice import PathChoice, check_path, log_choice, probe, resolve
+from kvmove.mover.transfer import (
+    FutureEvent,
+    LayerProgress,
+    StageTimes,
+    StealableJob,
+    Transfer,
+    TransferResult,
+    join_results,
+)
+from kvmove.objects.checksum import TRAILER_BYTES, PageChecksum
+from kvmove.objects.descriptors import Descriptors, describe_trusted
+from kvmove.objects.in_place import InPlaceRows
+from kvmove.objects.keys import KeySpace, RawKeys
+from kvmove.rows.copy_engine.device_ring import prepare_rings
 from kvmove.rows.host_indices import to_device
 from kvmove.rows.moves import copy_pages, plan_pages, run_pages
 from kvmove.rows.prepared import kernel_device, prepared_copy, resolve_backend
+from kvmove.rows.torch_backend.host_copy import start_helpers
 from kvmove.status import (
     BAD_ROWS,
     CALL_TIMEOUT,
@@ -51,15 +60,6 @@ from kvmove.status import (
     Status,
 )
 from kvmove.store.bounded_call import start_call_threads, wait_until_returned
-from kvmove.transfer import (
-    FutureEvent,
-    LayerProgress,
-    StageTimes,
-    StealableJob,
-    Transfer,
-    TransferResult,
-    join_results,
-)
 from kvmove.tuning.autotune import tune_for_copies
 
 log = logging.getLogger(__name__)
@@ -138,9 +138,9 @@ class KVMover:
     match is reported ``FAILED`` (raw code -801) and never scattered. Off by default (it
     costs a host pass over the staged bytes; ``bench`` reports the overhead).
 
-    ``path`` says how pages move (:mod:`kvmove.path_choice`): ``"staged"`` as above;
+    ``path`` says how pages move (:mod:`kvmove.mover.path_choice`): ``"staged"`` as above;
     ``"in_place"``: the store reads and writes the KV rows where they are
-    (:class:`kvmove.in_place.InPlaceRows`, the KV memory registered with the store while the
+    (:class:`kvmove.objects.in_place.InPlaceRows`, the KV memory registered with the store while the
     mover lives), with no staging (a one-slot staging stands in); ``"auto"`` (default): the
     faster of the two for this cache, page shape and transport, for evictions and for
     prefetches each: measured when the mover is built for one-token pages (or recorded by
@@ -300,7 +300,7 @@ class KVMover:
 
     def _choose_path(self, path, page_tokens, staging_slots, backend, layout, checksum,
                      free_rows):
-        """The :class:`~kvmove.path_choice.PathChoice` for ``path`` (the arguments the probe
+        """The :class:`~kvmove.mover.path_choice.PathChoice` for ``path`` (the arguments the probe
         uses are checked already)."""
 
         def scratch_mover(cache, path, slots):
@@ -608,7 +608,7 @@ class KVMover:
     def _describe(self, slots: torch.Tensor, store_keys: list[str], valid: np.ndarray
                   ) -> Descriptors:
         """The objects' descriptors (``store_keys``: the keys as stored, see
-        :class:`~kvmove.keys.KeySpace`); with checksums, each ends with its slot's
+        :class:`~kvmove.objects.keys.KeySpace`); with checksums, each ends with its slot's
         trailer."""
         desc = describe_trusted(self.staging, slots.numpy(), store_keys, valid)
         if self._checksum is None or len(desc) == 0:

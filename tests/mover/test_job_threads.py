@@ -1,4 +1,4 @@
-"""JobThreads: the mover's worker threads (kvmove/job_threads.py)."""
+"""JobThreads: the mover's worker threads (kvmove/mover/job_threads.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmove.job_threads import JobThreads, QueuedCall
-from kvmove.transfer import StealableJob
+from kvmove.mover.job_threads import JobThreads, QueuedCall
+from kvmove.mover.transfer import StealableJob
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,7 +166,7 @@ def test_jobs_queued_at_exit_run_before_the_process_ends_and_its_atexit_hooks(tm
     out = tmp_path / "ran"
     code = f"""
 import atexit, threading, time
-from kvmove.job_threads import JobThreads
+from kvmove.mover.job_threads import JobThreads
 threads = JobThreads(1, "t")
 gate = threading.Event()
 log = open({str(out)!r}, "w")

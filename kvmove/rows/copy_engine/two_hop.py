@@ -1,12 +1,12 @@
 """The two-hop (copy-engine) path of the row copy.
 
 Instead of the kernel writing host memory row by row (the direct path), rows pass through
-a ring beside the KV buffer (:mod:`kvmove.rows.device_ring`):
+a ring beside the KV buffer (:mod:`kvmove.rows.copy_engine.device_ring`):
 
 - gather (KV -> host): the row-copy kernel packs the KV rows into the ring at HBM speed,
   then the copy engine moves each run of consecutive host rows as one span per layer
-  (:func:`kvmove.rows.copy_engine.copy_span_grid`: one batched call, or one 2-D async copy per
-  run that covers every layer);
+  (:func:`kvmove.rows.copy_engine.span_copies.copy_span_grid`: one batched call, or one
+  2-D async copy per run that covers every layer);
 - scatter (host -> KV): the copy engine moves the host spans into the ring, then the kernel
   scatters the ring rows into the KV.
 
@@ -32,11 +32,11 @@ import torch
 
 from kvmove.memory import cuda_api
 from kvmove.memory.row_pool import BufferRows
-from kvmove.rows.copy_engine import copy_span_grid, cuda_copier
-from kvmove.rows.device_ring import ring_for
+from kvmove.rows.copy_engine.device_ring import ring_for
+from kvmove.rows.copy_engine.span_copies import copy_span_grid, cuda_copier
 from kvmove.rows.host_indices import to_device
-from kvmove.rows.torch_backend import copy_rows_torch
-from kvmove.rows.triton_launch import kernel_args, launch
+from kvmove.rows.torch_backend.reference import copy_rows_torch
+from kvmove.rows.triton_backend.launcher import kernel_args, launch
 
 
 def span_grid(host: BufferRows, host_rows: np.ndarray, ring: BufferRows,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvmove.memory import cuda_api
-from kvmove.rows import copy_engine
-from kvmove.rows.copy_engine import MAX_BATCH, CudaCopier
+from kvmove.rows.copy_engine import span_copies as copy_engine
+from kvmove.rows.copy_engine.span_copies import MAX_BATCH, CudaCopier
 
 
 class FakeApi:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvmove
-from kvmove.checksum import PageChecksum
+from kvmove.objects.checksum import PageChecksum
 from kvmove.status import CHECKSUM_MISMATCH
 from tests.support.caches import make_layers, snapshot
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvmove
-from kvmove.keys import KeySpace, RawKeys, geometry_fingerprint
+from kvmove.objects.keys import KeySpace, RawKeys, geometry_fingerprint
 
 
 def cache(rows=656, layers=2, dtype=torch.uint8, slots=32, names=("kv",)):

@@ -18,7 +18,7 @@ made before):
   it (back to back: torch's threads are awake); larger copies stay with torch.
 
 Torch's runtime reads its variables when torch loads it; the choice reads them as they were
-then (:mod:`kvmove.rows.openmp_environ`): a variable set after that changes neither.
+then (:mod:`kvmove.rows.torch_backend.openmp_environ`): a variable set after that changes neither.
 
 Both sides must be host memory whose units are one contiguous block per layer
 (:meth:`BufferRows.unit_arrays`): numpy would first copy a strided source whole.
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from kvmove.memory.row_pool import BufferRows
-from kvmove.rows.openmp_environ import as_torch_loaded
+from kvmove.rows.torch_backend.openmp_environ import as_torch_loaded
 
 # With threads that spin, numpy copies layers of up to this many bytes (see above; measured
 # back to back, 8 layers: 0.7-0.75x torch's time at 33-64 KiB a layer, 1.25-1.55x at

@@ -1,0 +1,2 @@
+"""The copy-engine backend of row moves: span copies with ``cudaMemcpyBatchAsync``, the
+two-hop path through a device ring."""
