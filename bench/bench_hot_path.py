@@ -126,8 +126,8 @@ def one_page(repeat: int, device: torch.device = CPU, cache: str = "stacked") ->
 def prefetches(store, repeat: int, device: torch.device = CPU, cache: str = "stacked") -> dict:
     """32 keys of one-token pages x 61 layers: how long ``prefetch`` takes to return, and a
     layer-wise prefetch to the end against a whole-cache one, once the mover has made one
-    prefetch of each kind (a fresh mover's first calls are measured apart:
-    bench/results/cpu-amd-epyc-2c-20261206-morning)."""
+    prefetch of each kind (a fresh mover's first calls are measured apart: docs/PERFORMANCE.md,
+    Findings, 2026-12-06)."""
     layers, keys_n, row_bytes = 61, 32, 656
     kv = kv_cache(cache, layers, 1024, row_bytes, device)
     with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=64, key_prefix="hot") as mover:

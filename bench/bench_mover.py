@@ -3,8 +3,8 @@
 indexer of 132-byte rows per layer), against the sum of their parts measured in the same run
 (``gather`` alone, ``store.put`` alone, ...), the raw contiguous Mooncake put/get of the same
 bytes, the mover with end-to-end checksums on (its overhead), and the plain mover's evict with
-its store's ``begin_put`` hidden (the exists check inside the put, not started while the
-gather ends and the descriptors are made).
+a store whose ``begin_put`` starts nothing (the exists check inside the put, not started
+while the gather ends and the descriptors are made).
 
     python -m bench.bench_mover                  # table
     python -m bench.bench_mover --json out.json  # and the figures as JSON
@@ -40,17 +40,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class PlainPut:
+    """A begun put that started nothing: its put is the store's plain put."""
+
+    def __init__(self, store, detect_exists: bool | None):
+        self._store, self._detect_exists = store, detect_exists
+
+    def put(self, desc):
+        return self._store.put(desc, detect_exists=self._detect_exists)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> PlainPut:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 class PlainPutStore:
-    """The store without ``begin_put``: a mover on it puts plainly, the exists check made
-    inside the put."""
+    """``store`` (a :class:`kvmove.store.protocol.Store`) whose ``begin_put`` starts
+    nothing: a mover on it puts plainly, the exists check made inside the put. Every other
+    call is the store's own; ``close`` is left to the store's owner."""
 
     def __init__(self, store):
         self._store = store
 
-    def __getattr__(self, name):
-        if name == "begin_put":
-            raise AttributeError(name)
-        return getattr(self._store, name)
+    @property
+    def transport(self):
+        return self._store.transport
+
+    @property
+    def address(self) -> str:
+        return self._store.address
+
+    def register(self, staging) -> None:
+        self._store.register(staging)
+
+    def unregister(self, staging) -> None:
+        self._store.unregister(staging)
+
+    def put(self, desc, *, detect_exists=None, until_returned=False):
+        return self._store.put(desc, detect_exists=detect_exists,
+                               until_returned=until_returned)
+
+    def begin_put(self, keys, *, detect_exists=None) -> PlainPut:
+        return PlainPut(self._store, detect_exists)
+
+    def get(self, desc, *, until_returned=False):
+        return self._store.get(desc, until_returned=until_returned)
+
+    def exists(self, keys):
+        return self._store.exists(keys)
+
+    def remove(self, keys, *, force=False):
+        return self._store.remove(keys, force=force)
+
+    def close(self) -> None:
+        pass
 
 
 def make_cache(args) -> kvmove.KVCache:
@@ -82,7 +130,10 @@ def run(args) -> dict:
                                        key_prefix="bench", checksum=True),
         }
         plain = movers["plain"]
-        plain_put = PlainPutStore(store)
+        # the plain mover's twin on a store whose begin_put starts nothing (the one
+        # difference): its evicts make the exists check inside the put
+        plain_put = kvmove.KVMover(kv, PlainPutStore(store), page_tokens=p, staging_slots=n,
+                                   key_prefix="bench")
         object_bytes = plain.staging.object_bytes
         total = n * object_bytes
         # The raw baseline: the same bytes, one contiguous span per key.
@@ -94,14 +145,9 @@ def run(args) -> dict:
         raw_dst = [flat_back.data_ptr() + i * object_bytes for i in range(n)]
         sizes = [object_bytes] * n
         def evict_with_plain_put(put_keys):
-            """The plain mover's evict with its store's begin_put hidden (the one
-            difference): the exists check made inside the put."""
-            plain.store = plain_put
-            try:
-                statuses = timed("evict (check in put)",
-                                 lambda: plain.evict(put_keys, src).wait())
-            finally:
-                plain.store = store
+            """The plain mover's evict with the exists check made inside the put."""
+            statuses = timed("evict (check in put)",
+                             lambda: plain_put.evict(put_keys, src).wait())
             assert all(s is kvmove.Status.OK for s in statuses), statuses[:3]
 
         for r in range(args.repeat + 1):  # the first round warms up and is dropped
@@ -137,13 +183,13 @@ def run(args) -> dict:
             assert codes == sizes
             for m in movers.values():
                 store.remove(m.keyspace.store_keys(keys), force=True)
-            store.remove(plain.keyspace.store_keys(put_keys), force=True)
+            store.remove(plain_put.keyspace.store_keys(put_keys), force=True)
             store.remove(part_keys + raw_keys, force=True)
             if r == 0:
                 samples.clear()
         path = {"evict": plain.path_choice.evict, "prefetch": plain.path_choice.prefetch,
                 "why": plain.path_choice.reason}
-        for m in movers.values():
+        for m in (*movers.values(), plain_put):
             m.close()
     gbps = {k: total / statistics.median(v) / 1e9 for k, v in samples.items()}
     seconds = {k: statistics.median(v) for k, v in samples.items()}

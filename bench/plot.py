@@ -66,7 +66,7 @@ def plot(data: dict, path: Path) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__)
-    parser.add_argument("results", type=Path, help="a bench/results/*.json file")
+    parser.add_argument("results", type=Path, help="a results file (RESULTS_DIR/*.json)")
     args = parser.parse_args(argv)
     print(plot(load(args.results), args.results.with_suffix(".png")))
     return 0

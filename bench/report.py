@@ -1,7 +1,9 @@
 """The performance page, in markdown, generated from a results file (never typed by hand):
-``python -m bench.report bench/results/<machine>-<date>.json --out docs/PERFORMANCE.md
---readme README.md`` writes ``docs/PERFORMANCE.md`` (every table, and where kvmove is behind
-its baselines, stated plainly) and the README's few headline figures."""
+``python -m bench.report RESULTS_DIR/<machine>-<date>.json --out docs/PERFORMANCE.md
+--readme README.md`` (``bench.results.RESULTS_DIR``) writes ``docs/PERFORMANCE.md`` (every
+table, and where kvmove falls short of a goal by more than the run's own spread, stated
+plainly; its hand-written "Findings" section is kept) and the README's few headline figures.
+Paths on the page are relative to the repository."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from bench.summary import (
     largest_cases,
     methods_of,
     ratio,
+    ratio_noise,
+    short_of,
 )
 
 
@@ -291,9 +295,20 @@ BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
 PEERS = ("primitive", "primitive_units", "memcpy_page", "memcpy_row", "cpu_rearrange")
 
 
+def _spread_of(spread: dict, *names: str) -> float | None:
+    """Half the sum of the recorded spreads of two timed figures (None where one is missing)."""
+    found = [spread[n] for n in names if n in spread]
+    return sum(found) / 2 if len(found) == len(names) else None
+
+
+def _noted(noise: float | None) -> str:
+    return f" (spread {noise * 100:.0f}%)" if noise is not None else " (no spread recorded)"
+
+
 def behind(data: dict) -> list[str]:
-    """Every comparison in the run where kvmove is slower than what an engine already has,
-    as markdown bullets (empty when there is none)."""
+    """Every comparison in the run where kvmove falls short of its goal (a peer's figure, a
+    target) by more than the run's own spread, as markdown bullets (empty when there is
+    none). A shortfall within the spread is noise, and is not listed."""
     out = []
     for r in largest_cases(data.get("kernels", [])):
         mine = methods_of([r], "kvmove")
@@ -301,50 +316,82 @@ def behind(data: dict) -> list[str]:
             continue
         for base in PEERS:
             value = ratio(r, mine[0], base)
-            if value is not None and value < 1.0:
+            noise = ratio_noise(r, mine[0], base)
+            if short_of(value, 1.0, noise):
                 out.append(f"- {r['direction']} of {r['row_bytes']}-byte rows, "
-                           f"{r['page_tokens']}-token pages, {r['pages']} pages: "
-                           f"{LABELS[mine[0]]} at {fmt_ratio(value)} of "
-                           f"{LABELS.get(base, base)}")
+                           f"{r['page_tokens']}-token pages, {r['pages']} pages, "
+                           f"{cache_of(r).replace('_', '-')} cache: {LABELS[mine[0]]} at "
+                           f"{fmt_ratio(value)} of {LABELS.get(base, base)}{_noted(noise)}")
     for h in headlines(data):
-        if h.met is False:
-            out.append(f"- {h.text}: {fmt_ratio(h.value)}, target {h.target:g}x")
+        if h.behind:
+            out.append(f"- {h.text}: {fmt_ratio(h.value)}, target {h.target:g}x"
+                       f"{_noted(h.noise)}")
     for name, suite in data.get("suites", {}).items():
         if not isinstance(suite, dict):
             continue
         v = suite.get("vllm")
         for what in ("save", "load"):
-            if v and v.get(f"{what}_ratio", 1.0) < 1.0:
+            noise = v and _spread_of(v.get("spread", {}), f"kvmove {what}", f"vLLM {what}")
+            if v and short_of(v.get(f"{what}_ratio"), 1.0, noise):
                 out.append(f"- vLLM connector {what}: {v[f'{what}_ratio']:.2f}x vLLM's own "
-                           f"connector path ({name} suite)")
+                           f"connector path ({name} suite){_noted(noise)}")
         for d in suite.get("describe", []) if isinstance(suite.get("describe"), list) else []:
-            if d.get("speedup", 1.0) < 1.0:
+            noise = _spread_of(d.get("spread", {}), "kvmove", "sglang")
+            if short_of(d.get("speedup"), 1.0, noise):
                 out.append(f"- SGLang {d['layout']} descriptors, {d['pages']} pages: "
-                           f"{d['speedup']:.2f}x SGLang's own")
+                           f"{d['speedup']:.2f}x SGLang's own{_noted(noise)}")
         for e in suite.get("end_to_end", []):
             for what in ("set", "get"):
                 value = e.get(f"speedup_{what}")
-                if value is not None and value < 1.0:
+                noise = _spread_of(e.get("spread", {}), f"kvmove {what}", f"sglang {what}")
+                if short_of(value, 1.0, noise):
                     out.append(f"- SGLang batch_{what}_v1, {e['layout']}, {e['pages']} x "
-                               f"{e['page_size']}: {value:.2f}x SGLang's own backend")
+                               f"{e['page_size']}: {value:.2f}x SGLang's own backend"
+                               f"{_noted(noise)}")
         for f in (suite.get("hot_path") or {}).get("targets", {}).values():
-            if f.get("met") is False:
+            if f.get("met") is False:  # targets of either sense; the suite records no spread
                 out.append(f"- hot path: {f.get('text', '')} {f['value']:.2f} (target "
                            f"{f['target']:g})".replace("hot path:  ", "hot path: "))
     return out
 
 
-def page(data: dict, source: str | None = None) -> str:
-    """The whole ``docs/PERFORMANCE.md``."""
-    late = behind(data)
+FINDINGS = "## Findings"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def page(data: dict, source: str | None = None, findings: str = "") -> str:
+    """The whole ``docs/PERFORMANCE.md``; ``findings`` (the page's hand-written "Findings"
+    section, kept from the page it replaces) goes at its end."""
+    short = behind(data)
     parts = ["# kvmove performance", "",
              "Generated by `python -m bench.report` from one `make bench` results file; every "
              "ratio compares kvmove with a baseline timed in the same run, on the same data, "
              "interleaved. Reproduce with `make bench`.", "",
-             "## Where kvmove is behind", ""]
-    parts += late or ["- nowhere in this run: every kvmove figure is at least its peer's."]
+             "## Where kvmove is behind", "",
+             "Each comparison where kvmove falls short of its goal by more than the run's own "
+             "spread (half the sum of the two figures' (max - min) / median over the repeats); "
+             "a shortfall inside the spread is noise and is not listed.", ""]
+    parts += short or ["- nowhere in this run: no kvmove figure is short of its goal by more "
+                      "than the run's spread."]
     parts += ["", markdown(data, source)]
-    return "\n".join(parts).rstrip() + "\n"
+    text = "\n".join(parts).rstrip() + "\n"
+    return text + ("\n" + findings.strip() + "\n" if findings.strip() else "")
+
+
+def findings_of(text: str) -> str:
+    """The "Findings" section of a page (to its end), or nothing."""
+    at = text.find("\n" + FINDINGS + "\n")
+    return text[at + 1:] if at >= 0 else ""
+
+
+def relative(path: Path) -> str:
+    """``path`` as the page names it: relative to the repository (never a path of the machine
+    the report ran on)."""
+    full = Path(path).resolve()
+    try:
+        return full.relative_to(ROOT).as_posix()
+    except ValueError:
+        return Path(path).as_posix() if not Path(path).is_absolute() else Path(path).name
 
 
 def readme_block(data: dict, source: str | None = None) -> str:
@@ -353,9 +400,10 @@ def readme_block(data: dict, source: str | None = None) -> str:
     lines = [f"Measured {data['created'][:10]} on {m['title']} (`make bench`; every figure "
              "against a baseline timed in the same run):", ""]
     lines += [f"- {h.text}: **{fmt_ratio(h.value)}**" for h in headlines(data)[:5]]
-    late = behind(data)
-    lines += ["", f"All tables, and the {len(late)} comparison(s) where kvmove is behind, in "
-              "[docs/PERFORMANCE.md](docs/PERFORMANCE.md)." if late else
+    short = behind(data)
+    lines += ["", f"All tables, and the {len(short)} comparison(s) where kvmove is behind by "
+              "more than the run's spread, in [docs/PERFORMANCE.md](docs/PERFORMANCE.md)."
+              if short else
               "All tables in [docs/PERFORMANCE.md](docs/PERFORMANCE.md)."]
     return "\n".join(lines)
 
@@ -372,19 +420,21 @@ def write_into(readme: Path, section: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
-    parser.add_argument("results", type=Path, help="a bench/results/*.json file")
+    parser.add_argument("results", type=Path, help="a results file (RESULTS_DIR/*.json)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the whole page here (e.g. docs/PERFORMANCE.md)")
     parser.add_argument("--readme", type=Path, default=None,
                         help="write the headline figures into this README between its markers")
     args = parser.parse_args(argv)
     data = load(args.results)
+    source = relative(args.results)
     if args.out is None and args.readme is None:
-        print(page(data, source=str(args.results)))
+        print(page(data, source=source))
     if args.out is not None:
-        args.out.write_text(page(data, source=str(args.results)))
+        kept = findings_of(args.out.read_text()) if args.out.exists() else ""
+        args.out.write_text(page(data, source=source, findings=kept))
     if args.readme is not None:
-        write_into(args.readme, readme_block(data, source=str(args.results)))
+        write_into(args.readme, readme_block(data, source=source))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The results file: ``bench/results/<machine>-<date>[-quick].json``, one JSON object with
+"""The results file: ``RESULTS_DIR/<machine>-<date>[-quick].json``, one JSON object with
 the machine, the settings, one record per kernel case and the optional suites' results."""
 
 from __future__ import annotations

@@ -49,6 +49,22 @@ def ratio(record: dict, method: str, baseline: str) -> float | None:
     return m[method]["gbps"] / m[baseline]["gbps"]
 
 
+def ratio_noise(record: dict, method: str, baseline: str) -> float | None:
+    """The run's own spread of ``ratio(record, method, baseline)``, relative: half the sum of
+    the two figures' spreads ((max - min) / median of their repeats, as the results file
+    records them). None where the run recorded no spread for either."""
+    m = record["methods"]
+    spreads = [m[n]["spread"] for n in (method, baseline) if n in m and "spread" in m[n]]
+    return sum(spreads) / 2 if len(spreads) == 2 else None
+
+
+def short_of(value: float | None, goal: float, noise: float | None) -> bool:
+    """True where ``value`` falls short of ``goal`` (higher is better) by more than the
+    run's own spread (``noise``, relative to the goal; None: no spread recorded, so any
+    shortfall counts)."""
+    return value is not None and goal - value > goal * (noise or 0.0)
+
+
 def largest_cases(records: list[dict]) -> list[dict]:
     """Per (direction, cache, row bytes, page tokens), the record with the most pages."""
     best: dict[tuple, dict] = {}
@@ -93,12 +109,18 @@ class Headline:
     text: str
     value: float | None
     target: float | None = None  # None: a fact to show, not a target
+    noise: float | None = None  # the run's own spread of ``value``, relative (None: unknown)
 
     @property
     def met(self) -> bool | None:
         if self.target is None or self.value is None:
             return None
         return self.value >= self.target
+
+    @property
+    def behind(self) -> bool:
+        """Short of the target by more than the run's own spread."""
+        return self.target is not None and short_of(self.value, self.target, self.noise)
 
 
 def _median(values: list[float]) -> float | None:
@@ -109,6 +131,13 @@ def _ratios(records, direction, method, baseline, **where) -> list[float]:
     return [v for r in records
             if r["direction"] == direction and all(r[k] == x for k, x in where.items())
             if (v := ratio(r, method, baseline)) is not None]
+
+
+def _noises(records, direction, method, baseline, **where) -> float | None:
+    """The median spread of the ratios ``_ratios`` takes (None where none is recorded)."""
+    return _median([n for r in records
+                    if r["direction"] == direction and all(r[k] == x for k, x in where.items())
+                    if (n := ratio_noise(r, method, baseline)) is not None])
 
 
 def _worst(records, direction, cache, method, baseline) -> tuple[float, dict] | None:
@@ -132,6 +161,11 @@ def _own_cost(records: list[dict]) -> list[float]:
     return [v for r in records if (b := _as_called(r)) and (v := ratio(r, "torch", b))]
 
 
+def _own_noise(records: list[dict]) -> float | None:
+    return _median([n for r in records
+                    if (b := _as_called(r)) and (n := ratio_noise(r, "torch", b)) is not None])
+
+
 def headlines(data: dict) -> list[Headline]:
     """The figures the targets speak of, computed from this run."""
     records = data["kernels"]
@@ -142,7 +176,8 @@ def headlines(data: dict) -> list[Headline]:
             v = _ratios(records, d, "torch", "primitive")
             out.append(Headline(f"torch {d} vs a plain per-layer {PRIMITIVE[d]} of the rows "
                                 f"(median of {len(v)} cases, {min(v, default=0):.2f}-"
-                                f"{max(v, default=0):.2f}x)", _median(v), 0.9))
+                                f"{max(v, default=0):.2f}x)", _median(v), 0.9,
+                                _noises(records, d, "torch", "primitive")))
         for cache in caches_of(records):
             for d in ("gather", "scatter"):
                 worst = _worst(records, d, cache, "torch", "primitive")
@@ -151,7 +186,8 @@ def headlines(data: dict) -> list[Headline]:
                     out.append(Headline(f"torch {d} vs a plain per-layer {PRIMITIVE[d]}, the "
                                         f"worst case on {cache.replace('_', '-')} caches "
                                         f"({r['row_bytes']} B x {r['page_tokens']} tokens x "
-                                        f"{r['pages']} pages)", v, 1.0))
+                                        f"{r['pages']} pages)", v, 1.0,
+                                        ratio_noise(r, "torch", "primitive")))
         for d in ("gather", "scatter"):
             rs = [r for r in records if r["direction"] == d]
             v = _own_cost(rs)
@@ -161,17 +197,18 @@ def headlines(data: dict) -> list[Headline]:
                                 f"(its own cost; median of {len(v)} cases, "
                                 f"{min(v, default=0):.2f}-{max(v, default=0):.2f}x; it adds "
                                 f"{(extra or 0) * 1e3:.2f} ms per call, median)",
-                                _median(v), 0.9))
+                                _median(v), 0.9, _own_noise(rs)))
             big = [r for r in records if r["direction"] == d and r["bytes"] >= LARGE_BYTES]
             v = _own_cost(big)
             if v:
                 out.append(Headline(f"the same, copies of >= {LARGE_BYTES >> 20} MiB (median of "
                                     f"{len(v)} cases; smaller ones pay a fixed cost per call)",
-                                    _median(v), 0.9))
+                                    _median(v), 0.9, _own_noise(big)))
         for d in ("gather", "scatter"):
             v = _ratios(records, d, "torch", "memcpy_row", row_bytes=656)
             out.append(Headline(f"torch {d} vs memcpy per row, 656-byte rows (median of "
-                                f"{len(v)} cases)", _median(v), 10.0))
+                                f"{len(v)} cases)", _median(v), 10.0,
+                                _noises(records, d, "torch", "memcpy_row", row_bytes=656)))
         for rb in sorted({r["row_bytes"] for r in records}):
             for d in ("gather", "scatter"):
                 v = _ratios(records, d, "torch", "bulk", row_bytes=rb)
@@ -183,12 +220,15 @@ def headlines(data: dict) -> list[Headline]:
     for d, base, target in (("gather", "bulk", 0.9), ("scatter", "bulk", 0.85)):
         v = _ratios(records, d, direct, base, row_bytes=656, page_tokens=64)
         out.append(Headline(f"direct {d} vs bulk {'D2H' if d == 'gather' else 'H2D'}, "
-                            f"656-byte rows, 64-token pages", _median(v), target))
+                            f"656-byte rows, 64-token pages", _median(v), target,
+                            _noises(records, d, direct, base, row_bytes=656, page_tokens=64)))
     for base, target in (("memcpy_page", 10.0), ("cpu_rearrange", 2.0)):
         for d in ("gather", "scatter"):
             v = _ratios(records, d, direct, base, row_bytes=656, page_tokens=64)
             out.append(Headline(f"direct {d} vs {LABELS[base]}, 656-byte rows, 64-token pages",
-                                _median(v), target))
+                                _median(v), target,
+                                _noises(records, d, direct, base, row_bytes=656,
+                                        page_tokens=64)))
     for d in ("gather", "scatter"):
         v = _ratios(records, d, "two_hop", direct)
         out.append(Headline(f"two-hop {d} vs direct (median over all cases; > 1: two-hop "

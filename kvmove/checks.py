@@ -1,6 +1,7 @@
-"""Argument checks, in one place: every public entry point validates its arguments here,
-once, before anything is written. Each check raises ``TypeError`` / ``ValueError`` /
-``IndexError`` naming the argument and the first bad value.
+"""Argument checks shared by several modules (a check only one module uses lives there):
+public entry points validate their arguments once, before anything is written. Each check
+raises ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument and the first
+bad value.
 
 Checks of index tensors run on the host only: a tensor on a device would have to be waited
 for, so callers leave those to the kernel's error counter.
@@ -71,22 +72,9 @@ def as_index_tensor(value, name: str, *, dim: int, device: torch.device | None =
     return value
 
 
-def check_same_geometry(src_shape: dict, dst_shape: dict, src_kind: str, dst_kind: str
-                        ) -> None:
-    """Two row pools that rows are copied between name the same buffers with the same
-    layers and row bytes (``shape``: buffer -> (layers, row bytes)); else ``ValueError``
-    showing both."""
-    if src_shape != dst_shape:
-        raise ValueError(
-            f"source and destination differ in geometry (buffer: (layers, row bytes)): "
-            f"{src_kind} {src_shape} vs {dst_kind} {dst_shape}"
-        )
-
-
-def _values(rows: torch.Tensor | np.ndarray) -> np.ndarray:
+def host_values(rows: torch.Tensor | np.ndarray) -> np.ndarray:
     """The flat values of a CPU index tensor, as a numpy view (small arrays cost a fraction
-    of what torch ops do per call). The checks here run on the host only: a device tensor
-    would have to be waited for, so callers leave those to the kernel's error counter."""
+    of what torch ops do per call); ``TypeError`` for a tensor on a device."""
     if isinstance(rows, np.ndarray):
         return rows.reshape(-1)
     if rows.device.type != "cpu":
@@ -99,7 +87,7 @@ def check_range(rows: torch.Tensor, limit: int, name: str) -> None:
     value and its position."""
     if rows.numel() == 0:
         return
-    a = _values(rows)
+    a = host_values(rows)
     if int(a.min()) >= -1 and int(a.max()) < limit:
         return
     pos = int(np.flatnonzero((a < -1) | (a >= limit))[0])
@@ -129,7 +117,7 @@ def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
         if len(set(rows)) == len(rows):
             return
         rows = np.array(rows, dtype=np.int64)
-    a = _values(rows)
+    a = host_values(rows)
     if a.shape[0] < 2 or bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
         return
     kept = np.sort(a[a >= 0])
@@ -137,20 +125,6 @@ def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
     if dups.size:
         raise ValueError(f"{name} names row/slot {int(dups[0]) * page_tokens} more than "
                          "once; destinations must be unique")
-
-
-def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """Within one pool, no row is both read and written (``-1`` excepted): the result would
-    depend on the order of the copies."""
-    a, b = _values(src_rows), _values(dst_rows)
-    read, written = a[a >= 0], np.sort(b[b >= 0])  # not intersect1d/isin: see has_repeats
-    if not (read.size and written.size):
-        return
-    found = written[np.searchsorted(written, read).clip(max=written.size - 1)]
-    shared = read[found == read]
-    if shared.size:
-        raise ValueError(f"src_rows and dst_rows both name row {int(shared[0])} of the same "
-                         "pool: a copy within one pool must not write a row it reads")
 
 
 def as_int_array(value, name: str) -> np.ndarray:
@@ -229,20 +203,6 @@ def check_keys(keys: Sequence[str], name: str = "keys", *, unique: bool = True) 
                 raise ValueError(f"{name}[{i}] = {k!r} repeats an earlier key; keys must be unique")
             seen.add(k)
     return keys
-
-
-def check_slots(slots, n: int, num_slots: int) -> np.ndarray:
-    arr = as_int_array(slots, "slots")
-    if arr.size != n:
-        raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
-    if n and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
-        bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
-        i = int(bad[0])
-        raise IndexError(
-            f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
-            f"({bad.size} slot(s) out of range)"
-        )
-    return arr
 
 
 @functools.lru_cache(maxsize=256)
@@ -365,51 +325,3 @@ def check_seconds(value, name: str, *, none_ok: bool = False, zero_ok: bool = Fa
                          f"most {threading.TIMEOUT_MAX:g}{' (or None)' if none_ok else ''}, "
                          f"got {value!r}")
     return float(value)
-
-
-def check_layer(layers, num_layers: int, name: str = "layers") -> int | None:
-    """``None`` (every layer) or one layer index in ``0 .. num_layers - 1``: ``TypeError``
-    for anything else, ``IndexError`` out of range."""
-    if layers is None:
-        return None
-    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
-        raise TypeError(f"{name} must be None or an int, got {layers!r:.40}")
-    if not 0 <= layers < num_layers:
-        raise IndexError(f"{name} = {layers} is out of range 0..{num_layers - 1}")
-    return int(layers)
-
-
-def padded_page_lengths(pages: np.ndarray, name: str) -> np.ndarray:
-    """Tokens of each page of int ``[n, page_tokens]`` token slots whose padding (``-1``)
-    may only end a page: ``ValueError`` naming the page for a page that starts with
-    ``-1`` or has a token after a ``-1``."""
-    real = pages >= 0
-    if not pages.shape[0]:
-        return np.zeros(0, dtype=np.int64)
-    empty = np.flatnonzero(~real[:, 0])
-    if empty.size:
-        raise ValueError(f"{name}[{int(empty[0])}] starts with -1: a page holds at least one "
-                         "token (-1 pads the end of a partial page)")
-    gaps = np.flatnonzero((real[:, 1:] & ~real[:, :-1]).any(axis=1))
-    if gaps.size:
-        i = int(gaps[0])
-        raise ValueError(f"{name}[{i}] = {pages[i].tolist()} has a token after a -1: -1 "
-                         "pads only the end of a page")
-    return real.sum(axis=1, dtype=np.int64)
-
-
-def check_page_numbers(value, n: int, num_pages: int, name: str) -> np.ndarray:
-    """``n`` distinct page numbers in ``0 .. num_pages - 1`` as int64: ``ValueError`` for
-    another count or a page named twice, ``IndexError`` for one out of range."""
-    pages = as_int_array(value, name)
-    if pages.size != n:
-        raise ValueError(f"{name} has {pages.size} pages for {n}")
-    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
-    if out.size:
-        i = int(out[0])
-        raise IndexError(f"{name}[{i}] = {int(pages[i])} is outside pages 0..{num_pages - 1}")
-    kept = np.sort(pages)
-    twice = kept[1:][kept[1:] == kept[:-1]]
-    if twice.size:
-        raise ValueError(f"{name} names page {int(twice[0])} more than once")
-    return pages

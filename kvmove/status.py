@@ -42,7 +42,7 @@ STAGING_TIMEOUT = -10002  # no staging slots came free within the mover's alloc_
 WRITE_TIMEOUT = -10003  # a write to the receiver did not return within the call timeout
 NOT_SENT = -10004  # not tried: an earlier write to the same receiver had failed, or the
 # sender was closed while the send was split into pieces
-CALL_TIMEOUT = -10005  # the store call was given up at its bound (or not tried after one was)
+CALL_TIMEOUT = -10005  # the store call timed out at its bound (or not tried after one did)
 MOVER_CLOSED = -10006  # not tried: the KVMover was closed while the call was being split up
 
 CODE_NAMES = {

@@ -1,25 +1,10 @@
 """An engine process of a kvmove cluster, for ``kvmove demo --processes N`` and the
-multi-process tests: one process with a synthetic DSA-like KV cache, a
-:class:`kvmove.MooncakeStore` on a shared master and a :class:`kvmove.KVMover`, driven by
-JSON commands, one a line, on its standard input.
-
-Every page has fixed bytes (a function of the page number and the buffer only), so any
-process can check what another evicted. Commands and answers:
-
-- ``{"op": "evict", "pages": [..]}`` writes each page's bytes into the hot buffer and evicts
-  it; answers ``{"statuses": [..], "seconds"}``; with ``"where": true`` also ``"replicas"``:
-  per page the transport endpoints of the holders of its replicas (``[]`` when not stored).
-- ``{"op": "prefetch", "pages": [..]}`` fills the target rows with a sentinel, prefetches,
-  then checks every row: a page whose status is ``ok`` must hold exactly its bytes (else it
-  is listed in ``"wrong"``), the rows of any other page must still hold the sentinel (else
-  it is listed in ``"touched"``). Answers ``{"statuses", "wrong", "touched", "seconds",
-  "bytes"}``.
-- ``{"op": "stats"}`` answers ``{"free_slots", "slots", "rss", "threads"}``: the mover's
-  free staging slots (slots held for store calls given up come back when those return), this
-  process's resident memory in bytes and its thread count.
-- ``{"op": "exit"}`` closes the mover and the store and ends the process.
-
-Answers are written to standard output as one line starting with ``ANSWER_TAG`` (any other
+multi-process tests: a synthetic DSA-like KV cache, a :class:`kvmove.MooncakeStore` on a
+shared master and a :class:`kvmove.KVMover`, driven by JSON commands, one a line, on its
+standard input: ``{"op": "evict" | "prefetch", "pages": [..]}``, ``{"op": "stats"}``,
+``{"op": "exit"}`` (see :class:`ClusterNode`'s methods). Every page has fixed bytes (a
+function of the page number and the buffer), so any process can check what another
+evicted. Each answer is one line of standard output starting with ``ANSWER_TAG`` (any other
 output, Mooncake's included, is not an answer). :class:`NodeProcess` is the parent's handle.
 """
 
@@ -80,6 +65,9 @@ class ClusterNode:
         return [f"p{p}" for p in pages]
 
     def evict(self, pages: Sequence[int], where: bool = False) -> dict:
+        """Write each page's bytes into the hot buffer and evict it: ``{"statuses",
+        "seconds"}``; with ``where`` also ``"replicas"``, per page the transport endpoints
+        of its replicas' holders (``[]`` when not stored)."""
         rows = self._rows(len(pages))
         for name, buf in self.buffers.items():
             want = self.torch.stack([self.page_bytes(p, name) for p in pages], dim=1)
@@ -95,6 +83,9 @@ class ClusterNode:
         return answer
 
     def stats(self) -> dict:
+        """``{"free_slots", "slots", "rss", "threads"}``: the mover's free staging slots
+        (slots held for store calls that timed out come back when those return), this
+        process's resident bytes and its thread count."""
         import threading
 
         rss = 0
@@ -107,6 +98,10 @@ class ClusterNode:
                 "threads": threading.active_count()}
 
     def prefetch(self, pages: Sequence[int]) -> dict:
+        """Fill the target rows with a sentinel, prefetch, check every row: a page ``ok``
+        must hold exactly its bytes (else it is in ``"wrong"``), any other page still the
+        sentinel (else in ``"touched"``). ``{"statuses", "wrong", "touched", "seconds",
+        "bytes"}``."""
         rows = self._rows(len(pages))
         for buf in self.buffers.values():
             buf[:, rows.reshape(-1)] = SENTINEL

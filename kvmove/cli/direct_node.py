@@ -1,23 +1,11 @@
 """The processes of ``kvmove demo --processes N --direct``: one prefill process (a KV
 cache and a :class:`kvmove.PageSender`) and decode processes (a layer-first
-:class:`kvmove.HostPool` opened as a :class:`kvmove.PageReceiver`), each a process of its
-own (``multiprocessing``, spawned), driven by commands over a pipe.
-
-Every page has fixed bytes (:func:`kvmove.cli.synthetic_pages.page_bytes` of the page
-number and the buffer), so a decode process checks what the prefill process wrote without
-being told the bytes. A decode pool starts filled with a sentinel: rows no send may write (pages not
-sent, the padding rows of a partial page) must still hold it afterwards.
-
-Commands and answers:
-
-- decode: ``("verify", {"pages": [..], "dst": [..], "valid": [..]})`` checks every page
-  sent and every page not sent; answers ``{"wrong": [..], "touched": [..], "bytes": n}``.
-- prefill: ``("prefill", {"handles": [..], "pages": [..], "dst": [[..] per handle],
-  "valid": [..]})`` computes the pages layer by layer (writes each layer's rows into the KV
-  cache) and after each layer sends that layer to every decode process
-  (``send(..., layers=l)``), waiting for all the transfers once at the end; answers
-  ``{"statuses": {status: count}, "seconds": s, "bytes": n}``.
-- ``("exit", None)`` closes everything and ends the process.
+:class:`kvmove.HostPool` opened as a :class:`kvmove.PageReceiver`), each spawned with
+``multiprocessing`` and driven by ``(op, args)`` commands over a pipe: ``"verify"``
+(:meth:`DecodeSide.verify`), ``"prefill"`` (:meth:`PrefillSide.prefill`), ``("exit",
+None)``. Every page has fixed bytes (:func:`kvmove.cli.synthetic_pages.page_bytes`), so a
+decode process checks what it was sent without being told the bytes; a decode pool starts
+filled with a sentinel that rows no send may write must still hold afterwards.
 """
 
 from __future__ import annotations
@@ -59,7 +47,7 @@ class DecodeSide:
     def verify(self, pages: list[int], dst: list[int], valid: list[int]) -> dict:
         """Page ``pages[i]`` must be in pool page ``dst[i]``, its first ``valid[i]`` rows
         exactly, the rest of the page still the sentinel; every pool page not in ``dst``
-        all sentinel."""
+        all sentinel. Answers ``{"wrong": [..], "touched": [..], "bytes": n}``."""
         import torch
 
         from kvmove.cli.synthetic_pages import page_bytes
@@ -111,7 +99,9 @@ class PrefillSide:
     def prefill(self, handles: list[str], pages: list[int], dst: list[list[int]],
                 valid: list[int]) -> dict:
         """Pages ``pages`` go to KV slots ``i * page_tokens ..`` (the ``i``-th page sent);
-        each layer is "computed" (written) and then sent to every handle."""
+        each layer is "computed" (written) and then sent to every handle (``send(...,
+        layers=l)``), the transfers waited for once at the end. ``dst``: one list per
+        handle. Answers ``{"statuses": {status: count}, "seconds": s, "bytes": n}``."""
         from kvmove.cli.synthetic_pages import page_bytes
 
         torch, p = self.torch, self.page_tokens

@@ -18,7 +18,7 @@ from kvmove.status import Status
 class SendJob:
     """``future`` ends with one status per page (``OK`` or ``FAILED``, raw code 0 or why)
     once :meth:`finish` is called, by the thread making the calls or by the watchdog that
-    gave up on them, whichever comes first. The slots go back to ``slots`` on
+    timed them out, whichever comes first. The slots go back to ``slots`` on
     :meth:`release`, which the caller makes only once no engine can read them any more.
     ``keep`` holds what the spans point into (the staging) alive until then."""
 

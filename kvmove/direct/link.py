@@ -1,44 +1,11 @@
 """``PeerLink``: a sender's line to one receiver — a Transfer Engine of its own and one
 thread that makes its calls, one at a time, in the order the jobs came.
 
-Why one engine per receiver: a receiver that stops answering at first contact holds its
-engine for 60 s (Mooncake 0.3.13 handshakes under the engine's lock), and more spans in
-flight to one peer than the transport queues can break that connection for good; with an
-engine each, neither reaches the sender's other receivers. One call at a time keeps a
-peer's spans in flight at :data:`~kvmove.direct.spans.MAX_SPANS_PER_CALL`.
-
-A call that fails, or that the watchdog gives up on, breaks the link: the jobs queued
-behind it end ``FAILED`` (code ``NOT_SENT``) at once and their slots go back, and the
-engine is destroyed once the call has returned. Only then does the failed job end (the
-pages that landed ``OK``, the rest ``FAILED``) and give its slots back: Mooncake does not
-cancel a failed write, its engine may go on reading the source, and writing the peer's
-pages, until it is destroyed, and a page reported ``FAILED`` must not be written after.
-(The one exception is a first contact the watchdog gave up on: it carries none of the
-job's bytes, so the job ends ``FAILED`` at once, see below.) The sender makes a new link
-(a fresh engine) for the next send to that receiver.
-
-First contact is a call of its own (:meth:`PeerLink._contact`). A receiver stopped before
-it holds the handshake for a minute, and that wait is the one Mooncake does not bound
-itself. If that wait came inside the first job's write, the job's slots would stay held
-until the call returned. The staging is shared by every receiver, so that would starve
-sends to healthy ones. So the link's engine first makes a write of no span: Mooncake opens
-the peer's segment (the handshake) before it looks at the spans, and it caches it for the
-writes that follow. The watchdog watches that write like any other. The job's staging is
-registered and handed to the engine only after that write returned 0. Once the watchdog
-gives up on a contact, nothing of the job can be read, so it gives its slots back at once.
-Other designs were weighed and dropped:
-
-- Freeing a given-up write's slots at once is unsafe: from outside, a call stuck in the
-  handshake cannot be told from one already reading the staging.
-- A share of the slots per receiver would cap a sender with one receiver, and a few
-  stalled receivers would still take every slot.
-
-After contact, a receiver that stops answering fails its write within
-``MC_TRANSFER_TIMEOUT`` (5 s; measured over TCP), so a write holds its slots at most that
-long (and the engine's destruction). The sender refuses a ``call_timeout`` that does not
-exceed that bound, so the watchdog gives up on a write of data only when Mooncake overran
-its own bound; that write's job still ends only when the call has returned. The cost is
-one empty call per engine, a fraction of a millisecond on loopback.
+A call that fails, or that the watchdog timed out, breaks the link: the queued jobs end
+``FAILED`` (``NOT_SENT``) at once, and the failed job ends (pages that landed ``OK``, the
+rest ``FAILED``) and gives its slots back only once its call returned and the engine is
+destroyed. The sender makes a new link for the next send to that receiver. The contract
+is ``docs/API.md``, "Prefill -> decode host memory (direct transfer)".
 """
 
 from __future__ import annotations
@@ -61,7 +28,12 @@ log = logging.getLogger(__name__)
 class PeerLink:
     def __init__(self, peer: str, settings: TransportSettings, watchdog: Watchdog):
         self.peer = peer
-        self.engine = Engine(settings.named_apart())  # one engine per receiver
+        # One engine per receiver: one that stops answering at first contact holds its
+        # engine for 60 s (Mooncake 0.3.13 handshakes under the engine's lock), and too many
+        # spans in flight to one peer can break that connection for good; neither reaches
+        # the sender's other receivers. One call at a time keeps a peer's spans in flight
+        # at MAX_SPANS_PER_CALL.
+        self.engine = Engine(settings.named_apart())
         self._watchdog = watchdog
         self._jobs: deque[SendJob] = deque()
         self._cond = threading.Condition()
@@ -74,7 +46,7 @@ class PeerLink:
         self.broken_at = 0.0  # time.monotonic() when a call failed
         self.jobs_ok = 0  # jobs whose every call returned 0
         self.failed_before = 0  # links to this peer that broke in a row before this one
-        self.abandoned = False  # a call never returned in time: its thread is left to end
+        self.abandoned = False  # a call timed out: its thread is left to end when it returns
         self._thread = threading.Thread(target=self._serve, name=f"kvmove-send {peer}",
                                         daemon=True)
         self._thread.start()
@@ -172,7 +144,7 @@ class PeerLink:
             self._cond.notify_all()
 
     def _watched(self, job: SendJob, contact: bool, srcs, dsts, lengths) -> tuple[int, bool]:
-        """One write under the watchdog: its code and whether the watchdog gave up on it."""
+        """One write under the watchdog: its code and whether the watchdog timed it out."""
         token = object()
         with self._cond:
             self._call = (token, job, contact)
@@ -187,11 +159,20 @@ class PeerLink:
         return rc, abandoned
 
     def _contact(self, job: SendJob) -> bool:
-        """First contact with the peer, for ``job``: a write of no span. See the module
-        doc. False when the watchdog gave up on it: then ``job`` is ``FAILED`` and its
-        slots are back. A contact that returns an error in time proves nothing about the
-        peer (a transport may refuse a write of no span): the job's own write goes ahead
-        and fails or lands as it would have without one."""
+        """First contact with the peer, for ``job``: a write of no span. False when the
+        watchdog timed it out: then ``job`` is ``FAILED`` and its slots are back. A contact
+        that returns an error in time proves nothing about the peer (a transport may refuse
+        a write of no span): the job's own write goes ahead and fails or lands as it would
+        have without one."""
+        # A receiver stopped before first contact holds the handshake for a minute, the one
+        # wait Mooncake does not bound itself; inside the job's write it would hold slots
+        # shared by every receiver. Mooncake opens (and caches) the peer's segment before it
+        # looks at the spans, so an empty write does the handshake under the watchdog before
+        # the job's staging is registered: a contact that timed out frees its slots at once.
+        # Freeing a timed-out write of data at once would be unsafe (a call stuck in the
+        # handshake cannot be told from one reading the staging), and a share of the slots
+        # per receiver would cap a sender with one receiver. The cost: one empty call per
+        # engine, a fraction of a millisecond on loopback.
         rc, abandoned = self._watched(job, True, [], [], [])
         if not abandoned:
             if rc != 0:
@@ -217,11 +198,14 @@ class PeerLink:
             return CLIENT_EXCEPTION, 0.0
         if job.gathered is not None:
             job.gathered.synchronize()
+        # After contact, a receiver that stops answering fails a write within
+        # MC_TRANSFER_TIMEOUT (5 s, measured over TCP); the sender's call_timeout exceeds
+        # that, so the watchdog times out a write of data only when Mooncake overran it.
         t0 = time.perf_counter()
         for k in range(job.plan.num_calls):
             rc, abandoned = self._watched(job, False, *job.plan.call(k))
             if rc == 0:
-                job.calls_ok = k + 1  # landed, even if late
+                job.calls_ok = k + 1  # landed, even after it timed out
             if rc != 0 or abandoned:
                 if not abandoned:
                     log.warning("a write of %d spans to %s failed (%d, %s); its pages are "

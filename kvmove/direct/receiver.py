@@ -18,32 +18,14 @@ def _close(engine: Engine, pool: HostPool) -> None:
 
 class PageReceiver:
     """Opens ``pool`` (a :class:`kvmove.HostPool`: layer_first, page_first or
-    page_first_direct, one buffer or several) to :class:`kvmove.PageSender` writes.
-
-    It makes a Mooncake Transfer Engine (settings from the ``MOONCAKE_*`` variables;
-    ``hostname`` overrides ``MOONCAKE_LOCAL_HOSTNAME``, the address senders reach this
-    process at, which goes into the handle), registers exactly the bytes of the pool's
-    pages (one region per buffer) and nothing else, and publishes :attr:`handle`: a
-    ``str`` to hand to senders through the engine's own bootstrap channel. Writes land
-    while the receiver is open; the receiver learns nothing of them (the sender tells it,
-    through that channel, what its ``Transfer`` reported). A write aimed outside the
-    registered pool (a forged or stale handle) is refused by the engine and changes
-    nothing.
-
-    Security: the transport has no authentication and no encryption. Whoever reaches the
-    engine's ports can write into, and read, the registered pool. The engine listens on
-    every interface (``0.0.0.0`` and ``[::]``) whatever ``MOONCAKE_LOCAL_HOSTNAME`` says:
-    Mooncake 0.3.13 does not bind to one address under peer-to-peer handshake. Keep its
-    port range (``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``, 15000-17000 by default, two ports
-    per engine) on the cluster's own network, or firewall it.
-
-    :meth:`close` (or leaving a ``with`` block) destroys the engine: writes in flight then
-    fail at their senders (``FAILED``), and none lands after it returns; the pool's memory
-    is the caller's again. Pages a sender reported ``FAILED`` may hold part of the write
-    (a write is not atomic): treat them as dirty. Raises ``TypeError`` for a pool that is
-    not a ``HostPool``, ``ValueError`` for buffers that share memory or a bad
-    ``MOONCAKE_*`` value, :class:`kvmove.KVMoveError` when the engine cannot be set up
-    (nothing stays registered then).
+    page_first_direct, one buffer or several) to :class:`kvmove.PageSender` writes: a
+    Transfer Engine registers exactly the pool's pages, and :attr:`handle` (a ``str``) is
+    what senders are given. :meth:`close` (or a ``with`` block) destroys the engine: none
+    lands after it returns. Raises ``TypeError`` for a pool that is not a ``HostPool``,
+    ``ValueError`` for buffers that share memory or a bad ``MOONCAKE_*`` value,
+    :class:`kvmove.KVMoveError` when the engine cannot be set up. No authentication, and
+    it listens on every interface: see ``docs/API.md``, "Prefill -> decode host memory
+    (direct transfer)".
     """
 
     def __init__(self, pool: HostPool, *, hostname: str | None = None):

@@ -15,12 +15,10 @@ import torch
 
 from kvmove.checks import (
     as_index_tensor,
-    check_layer,
-    check_page_numbers,
+    as_int_array,
     check_positive_int,
     check_range,
     check_seconds,
-    padded_page_lengths,
 )
 from kvmove.direct.handle import BufferPlace, PageHandle
 from kvmove.direct.job import SendJob
@@ -48,7 +46,7 @@ CALL_TIMEOUT_MARGIN_S = 1.0  # call_timeout exceeds Mooncake's write timeout by 
 
 
 def mooncake_write_timeout(environ=None) -> int:
-    """Seconds after which Mooncake (0.3.13) gives up on a write itself, in the engines
+    """Seconds after which a write times out in Mooncake (0.3.13) itself, in the engines
     this process makes now: ``MC_TRANSFER_TIMEOUT`` as Mooncake reads it (C ``atoi``,
     raised to 5), or kvmove's default (5) where it is not set. Mooncake adds 1 ns per byte
     of the call (under 0.1 s for the largest call a sender makes)."""
@@ -87,41 +85,13 @@ class _Staged:
 
 class PageSender:
     """Writes pages of ``kv`` (a :class:`kvmove.KVCache`, on a GPU or the host) into the
-    host pools of :class:`kvmove.PageReceiver` processes, named by their handles.
-
-    A send gathers the pages into the sender's staging (``staging_slots`` pages; the
-    prepared copies the mover uses, one launch per buffer on a GPU) and writes them to the
-    receiver in the background, in spans merged wherever both sides are contiguous
-    (consecutive destination pages of a layer_first pool are one span per layer), in calls
-    of at most 1000 spans, one call at a time per receiver. The staging is laid out like
-    the receiver's pages: page-first for a page_first pool, else layer-first (made on the
-    first send to such a pool). Slots are taken per layer: a layer-wise stream of ``n``
-    pages uses ``n`` slots.
-
-    Each receiver is written through a Transfer Engine of its own, made at the first send
-    to it (settings from the ``MOONCAKE_*`` variables, ``hostname`` overriding
-    ``MOONCAKE_LOCAL_HOSTNAME``), so that one that stops answering holds up no other. A
-    write that fails or does not return within ``call_timeout`` seconds breaks that
-    engine; it is destroyed once the call has returned (Mooncake's only way to stop a
-    failed write from reading the staging and writing the receiver), and only then do the
-    pages the write had not landed end ``FAILED`` and its slots come back: a page reported
-    ``FAILED`` is not written after. The next send to that receiver makes a new engine.
-    Mooncake ends a write of data itself after ``MC_TRANSFER_TIMEOUT`` seconds (5 unless
-    set; :func:`mooncake_write_timeout`); ``call_timeout`` must exceed that by at least
-    :data:`CALL_TIMEOUT_MARGIN_S` (``ValueError`` otherwise). The watchdog bounds what
-    Mooncake does not: first contact with a receiver, a call of no data made before any of
-    the staging is handed to the engine. So the pages of sends to a receiver that stopped
-    answering at first contact end ``FAILED`` (never written) and their slots come back
-    after ``call_timeout``, not when the stuck handshake returns a minute later. A
-    receiver that is gone (killed, closed) fails in about a second, one that stopped
-    answering within ``call_timeout`` (8 s).
-
-    ``alloc_timeout``: seconds a send waits for free staging slots before
-    :class:`kvmove.StagingFull` (first piece; nothing was sent) or ``FAILED`` pages (code
-    ``STAGING_TIMEOUT``, a later piece of a send larger than the staging). ``backend`` as
-    for :func:`kvmove.gather`. Thread-safe. ``close()`` (or leaving a ``with`` block)
-    waits for the sends and transfers in flight, then destroys the engines and frees the
-    staging.
+    host pools of :class:`kvmove.PageReceiver` processes, named by their handles: gathered
+    into ``staging_slots`` pages of staging, written in the background through one Transfer
+    Engine per receiver. ``call_timeout`` must exceed Mooncake's own write timeout
+    (:func:`mooncake_write_timeout`) by :data:`CALL_TIMEOUT_MARGIN_S` (``ValueError``
+    otherwise). Thread-safe; ``close()`` (or a ``with`` block) waits for the sends and
+    transfers in flight. The contract is ``docs/API.md``, "Prefill -> decode host memory
+    (direct transfer)".
     """
 
     def __init__(self, kv: KVCache, *, page_tokens: int = 64, staging_slots: int = 256,
@@ -167,25 +137,14 @@ class PageSender:
 
     # -- public ---------------------------------------------------------------------------
     def send(self, handle, token_pages, dst_pages, *, layers: int | None = None) -> Transfer:
-        """Write page ``i`` of the KV cache, the token slots ``token_pages[i]`` (int
-        ``[n, page_tokens]``; ``-1`` only as a suffix: a partial page, whose padding rows of
-        the receiver are left as they were), into page ``dst_pages[i]`` of the receiver
-        ``handle`` names, every layer of every buffer (``layers=None``) or layer ``layers``
-        of every buffer that has it. Returns a :class:`kvmove.Transfer` once the pages are
-        gathered (on a GPU: once the gather is enqueued, after the work the current stream
-        had at the call; ``Transfer.gathered`` tells when the KV rows may change); its
-        ``wait()`` gives one :class:`kvmove.Status` per page, ``OK`` or ``FAILED``.
-
-        Raises before any byte moves: ``ValueError`` for a receiver of another geometry (or
-        a malformed handle), ``-1`` other than as a page's suffix, a page without a token,
-        a destination named twice, or lengths that differ; ``IndexError`` for a token slot
-        or destination page out of range, or a layer out of range; ``TypeError`` for
-        indices that are not integers; :class:`kvmove.StagingFull` when no slots come free
-        within ``alloc_timeout``; :class:`kvmove.KVMoveError` once closed or when no
-        engine can be made. Once a piece of a send larger than the staging was handed on,
-        none of this raises for a later piece: its pages end ``FAILED`` (``STAGING_TIMEOUT``
-        when no slots came free in time, ``NOT_SENT`` when the sender was closed meanwhile,
-        ``-1`` when no engine could be made)."""
+        """Write the token slots ``token_pages[i]`` (int ``[n, page_tokens]``, ``-1`` only
+        as a page's suffix) into page ``dst_pages[i]`` of the receiver ``handle`` names:
+        every layer (``layers=None``) or layer ``layers`` of every buffer that has it.
+        Returns a :class:`kvmove.Transfer` once the pages are gathered; its ``wait()`` gives
+        ``OK`` or ``FAILED`` per page. Raises ``ValueError`` / ``IndexError`` /
+        ``TypeError`` for bad arguments, :class:`kvmove.StagingFull` and
+        :class:`kvmove.KVMoveError`, before any byte moves; see ``docs/API.md``,
+        "Prefill -> decode host memory (direct transfer)"."""
         with self._lock:
             if self._closed:
                 raise KVMoveError("the PageSender is closed")
@@ -200,10 +159,10 @@ class PageSender:
 
     def _send(self, handle, token_pages, dst_pages, layers: int | None) -> Transfer:
         target, places = self._target(handle)
-        layer = check_layer(layers, self.kv.max_layers)
+        layer = _check_layer(layers, self.kv.max_layers)
         pages, valid = self._check_pages(token_pages)
         n = pages.shape[0]
-        dst = check_page_numbers(dst_pages, n, target.num_pages, "dst_pages")
+        dst = _check_page_numbers(dst_pages, n, target.num_pages, "dst_pages")
         staged = self._staging_for("page_first" if target.layout == "page_first"
                                    else "layer_first")
         transfer = Transfer([str(d) for d in dst.tolist()], kind="send",
@@ -325,7 +284,7 @@ class PageSender:
                              f"is {self.page_tokens}")
         host = pages.cpu().numpy().astype(np.int64, copy=True)
         check_range(torch.from_numpy(host), self.kv.num_slots, "token_pages")
-        return torch.from_numpy(host), padded_page_lengths(host, "token_pages")
+        return torch.from_numpy(host), _padded_page_lengths(host, "token_pages")
 
     # -- steps ----------------------------------------------------------------------------
     def _staging_for(self, layout: str) -> _Staged:
@@ -419,3 +378,51 @@ def _not_sent(transfer: Transfer, first: int, n: int, code: int, why: str) -> No
     left = n - first
     log.warning("%s: %d pages of the send not sent", why, left)
     transfer.add_piece(first, TransferResult([Status.FAILED] * left, [code] * left, 0))
+
+
+def _check_layer(layers, num_layers: int, name: str = "layers") -> int | None:
+    """``None`` (every layer) or one layer index in ``0 .. num_layers - 1``: ``TypeError``
+    for anything else, ``IndexError`` out of range."""
+    if layers is None:
+        return None
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
+        raise TypeError(f"{name} must be None or an int, got {layers!r:.40}")
+    if not 0 <= layers < num_layers:
+        raise IndexError(f"{name} = {layers} is out of range 0..{num_layers - 1}")
+    return int(layers)
+
+
+def _padded_page_lengths(pages: np.ndarray, name: str) -> np.ndarray:
+    """Tokens of each page of int ``[n, page_tokens]`` token slots whose padding (``-1``)
+    may only end a page: ``ValueError`` naming the page for a page that starts with
+    ``-1`` or has a token after a ``-1``."""
+    real = pages >= 0
+    if not pages.shape[0]:
+        return np.zeros(0, dtype=np.int64)
+    empty = np.flatnonzero(~real[:, 0])
+    if empty.size:
+        raise ValueError(f"{name}[{int(empty[0])}] starts with -1: a page holds at least one "
+                         "token (-1 pads the end of a partial page)")
+    gaps = np.flatnonzero((real[:, 1:] & ~real[:, :-1]).any(axis=1))
+    if gaps.size:
+        i = int(gaps[0])
+        raise ValueError(f"{name}[{i}] = {pages[i].tolist()} has a token after a -1: -1 "
+                         "pads only the end of a page")
+    return real.sum(axis=1, dtype=np.int64)
+
+
+def _check_page_numbers(value, n: int, num_pages: int, name: str) -> np.ndarray:
+    """``n`` distinct page numbers in ``0 .. num_pages - 1`` as int64: ``ValueError`` for
+    another count or a page named twice, ``IndexError`` for one out of range."""
+    pages = as_int_array(value, name)
+    if pages.size != n:
+        raise ValueError(f"{name} has {pages.size} pages for {n}")
+    out = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    if out.size:
+        i = int(out[0])
+        raise IndexError(f"{name}[{i}] = {int(pages[i])} is outside pages 0..{num_pages - 1}")
+    kept = np.sort(pages)
+    twice = kept[1:][kept[1:] == kept[:-1]]
+    if twice.size:
+        raise ValueError(f"{name} names page {int(twice[0])} more than once")
+    return pages

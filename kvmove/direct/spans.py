@@ -1,26 +1,11 @@
 """The spans of a direct send: which bytes of the sender's staging go where in the
-receiver's pool, merged wherever both sides are contiguous, cut into calls the transport
-handles. Vectorised (numpy over every unit of every page, one ``tolist()``); no Python loop
-over pages or layers.
-
-A unit is the largest piece that is contiguous on both sides by the layouts alone:
-
-- a whole page of one buffer, every layer, when both sides are page-first (``[token]
-  [layer]``): ``valid * layers * row_bytes`` bytes (the page's first ``valid`` tokens);
-- one layer of a page, when both sides keep a layer's tokens side by side (a layer-first
-  staging into a layer_first or page_first_direct pool): ``valid * row_bytes`` bytes;
-- else one row (one layer of a page-first pool: its rows are ``layers * row_bytes`` apart).
-
-Units are ordered by buffer, layer and destination page; neighbours that touch on both
-sides in one buffer merge into one span (consecutive destination pages of a layer-first
-pool written from consecutive staging slots are one span per layer). Spans longer than
-:data:`MAX_SPAN_BYTES` are cut; calls hold at most :data:`MAX_SPANS_PER_CALL` spans and
+receiver's pool, cut into calls the transport handles (numpy over every unit of every page,
+no Python loop over pages or layers). A unit is the largest piece contiguous on both sides
+by the layouts alone: a whole page of one buffer (both page-first), one layer of a page
+(layer-first staging into a layer_first or page_first_direct pool), else one row. Units
+that touch on both sides in one buffer merge into one span; spans over
+:data:`MAX_SPAN_BYTES` are cut; a call holds at most :data:`MAX_SPANS_PER_CALL` spans and
 about :data:`MAX_BYTES_PER_CALL` bytes.
-
-The call limits are Mooncake's (0.3.13, TCP; measured): more than
-about 2048 spans in flight from one engine to one peer fail the call (and under
-concurrency can break that connection for good), and a call's deadline does not grow with
-its span count, so calls stay at 1000 spans and tens of MiB, one at a time per peer.
 """
 
 from __future__ import annotations
@@ -32,6 +17,10 @@ import numpy as np
 
 from kvmove.direct.handle import BufferPlace
 
+# Mooncake's limits (0.3.13, TCP; measured): more than about 2048 spans in flight from one
+# engine to one peer fail the call (and under concurrency can break that connection for
+# good), and a call's deadline does not grow with its span count: so calls stay at 1000
+# spans and tens of MiB, one at a time per peer.
 MAX_SPANS_PER_CALL = 1000
 MAX_BYTES_PER_CALL = 64 << 20
 MAX_SPAN_BYTES = 16 << 20

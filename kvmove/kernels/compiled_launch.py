@@ -1,19 +1,12 @@
 """Launching a compiled Triton kernel again without Triton's per-call work.
 
-``kernel[grid](...)`` binds every argument, works out its specialisation, hashes it into a
-cache key and looks the compiled kernel up, on every call: tens of µs of host time, paid
-per launch (a layer-wise scatter launches once per group of layers). A launcher that knows
-what its kernel specialises on can key the compiled kernel itself, by a tuple it builds in
-a few µs, and launch it as ``JITFunction.run`` does (``CompiledKernel.run`` with the current
-stream of the device, every parameter in order, constexprs included): the same compiled
-code, with the same arguments.
-
-The first launch of each key goes through Triton (which compiles or loads the kernel and
-launches it); later ones are direct. The options Triton reads at each launch (``debug``,
-instrumentation) are part of the key. Triton's own path is kept whenever a launch hook, a
-pre-run hook or a stage-inspection hook is set (a profiler, a debugger), on the
-interpreter, on Triton versions whose launch protocol was not checked (checked: 3.5, 3.6
-and 3.9; taken: 3.5 up to 3.9), and everywhere when ``KVMOVE_TRITON_FAST_LAUNCH=0``.
+``kernel[grid](...)`` binds, specialises, hashes and looks the kernel up on every call: tens
+of µs of host time per launch. A launcher that knows what its kernel specialises on keys
+the compiled kernel by a tuple of its own and launches it as ``JITFunction.run`` does (the
+same code, the same arguments). The first launch of each key goes through Triton. Triton's
+own path is kept whenever a launch, pre-run or stage-inspection hook is set, on the
+interpreter, on Triton versions outside :data:`CHECKED`, and when
+``KVMOVE_TRITON_FAST_LAUNCH=0``.
 """
 
 from __future__ import annotations
@@ -32,7 +25,9 @@ except ImportError:  # pragma: no cover - older Triton
 
 ENV = "KVMOVE_TRITON_FAST_LAUNCH"
 MAX_KEYS = 512  # compiled kernels kept per launcher (then the table starts again)
-CHECKED = ((3, 5), (3, 10))  # Triton versions [from, to) whose run() launches as below
+# Triton versions [from, to) whose run() launches as below (checked: 3.5, 3.6 and 3.9). The
+# options Triton reads at each launch (debug, instrumentation) are part of the key.
+CHECKED = ((3, 5), (3, 10))
 
 
 def _version(text: str) -> tuple[int, int]:

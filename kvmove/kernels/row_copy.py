@@ -155,24 +155,16 @@ def copy_rows(
     src_page_tokens: int = 0,
     dst_page_tokens: int = 0,
 ) -> None:
-    """Launch the row copy.
-
-    Shapes and dtypes:
-      - ``src_table``, ``dst_table``: int64 ``[L]`` device addresses of layer ``j``'s row 0
-        in each pool (for pinned host memory, its device-accessible UVA address), on the
-        device that runs the kernel; the same ``L`` on both sides.
-      - ``src_rows``, ``dst_rows``: int32 or int64 ``[n]``, on that device. ``-1`` on
-        either side skips the row (nothing read, nothing written). Any other index outside
-        ``[0, src_limit)`` / ``[0, dst_limit)`` is skipped too and added to ``errors``.
-      - ``src_page_tokens``, ``dst_page_tokens``: ``0`` (the default) when that side's
-        tensor holds rows; ``P > 0`` when it holds ``n / P`` page slots instead, slot ``s``
-        standing for rows ``s * P .. s * P + P - 1`` (the pool's rows are whole pages).
-        ``-1`` skips the page's rows; a slot outside ``[0, limit / P)`` counts them all.
-      - ``errors``: int32 ``[1]`` counter on that device, incremented by the number of such
-        rows (once per row, not per layer); ``None`` counts nothing.
-      - ``src_pitch``, ``dst_pitch``, ``row_bytes``: bytes; ``base_alignment``: a power of
-        two dividing every address in both tables.
-      - ``config``: block size, rows per step, warps and the cap on the number of programs.
+    """Launch the row copy. ``src_table`` / ``dst_table``: int64 ``[L]`` device addresses
+    of each layer's row 0 (UVA addresses for pinned host memory), on the kernel's device.
+    ``src_rows`` / ``dst_rows``: int32/int64 ``[n]`` on that device; ``-1`` on either side
+    skips the row, any other index outside ``[0, src_limit)`` / ``[0, dst_limit)`` is
+    skipped and added to ``errors`` (int32 ``[1]``, once per row, not per layer; ``None``
+    counts nothing). ``src_page_tokens`` / ``dst_page_tokens`` ``P > 0``: that side holds
+    ``n / P`` page slots, slot ``s`` standing for rows ``s * P .. s * P + P - 1`` (``-1``
+    skips the page, a slot outside ``[0, limit / P)`` counts all its rows); ``0``: rows.
+    Pitches and ``row_bytes`` are bytes; ``base_alignment`` is a power of two dividing
+    every address in both tables. ``ValueError`` for a negative or non-int page count.
     """
     for name, p in (("src_page_tokens", src_page_tokens), ("dst_page_tokens", dst_page_tokens)):
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:

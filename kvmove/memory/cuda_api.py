@@ -1,30 +1,11 @@
 """The CUDA calls kvmove makes outside torch and Triton, in one place, through maintained
-bindings (no hand-declared prototypes, no library loaded by name):
-
-- host memory registration: ``cudaHostRegister`` / ``cudaHostUnregister`` from
-  ``torch.cuda.cudart()``, i.e. in torch's own CUDA runtime;
-- the device address of registered (mapped) host memory: needs no binding. On a 64-bit
-  system with unified addressing (every system CUDA 12 and 13 run on) the device address of
-  memory registered with ``cudaHostRegisterMapped`` is its host address wherever every
-  visible device reports ``cudaDevAttrCanUseHostPointerForRegisteredMem`` (the CUDA
-  runtime's documentation of ``cudaHostGetDevicePointer``). torch's ``cudart()`` exposes no
-  ``cudaHostGetDevicePointer`` (only ``cudaHostRegister``/``Unregister``, stream creation,
-  ``cudaMemGetInfo``, the profiler), so where ``cuda-bindings`` is installed its
-  ``cudaHostGetDevicePointer`` is asked (it answers for the system it runs on), and
-  elsewhere the host address is used. Pinned staging and the direct kernel therefore need
-  torch and Triton only: an engine's environment without ``cuda-bindings`` or cupy runs them;
-- the copy engine (``cudaMemcpyAsync``, ``cudaMemcpy2DAsync`` and, CUDA >= 12.8,
-  ``cuMemcpyBatchAsync``): ``cuda.bindings`` (package ``cuda-bindings`` of the CUDA major
-  torch was built for: the ``cuda12`` / ``cuda13`` extras). Its 12.x batched call returns
-  the index of a failing copy, the 13.x one does not; both are handled here. The two-hop
-  path and the copy-engine spans need it; :func:`copy_engine_problem` says why they cannot
-  run (``backend="auto"`` then keeps to the direct kernel).
-
-Every binding is imported on first use, so a machine without CUDA (or without these
-packages) imports kvmove. A copy-engine call without ``cuda-bindings`` is a
-:class:`CudaApiError` naming the extra to install. Addresses are plain ints (device
-addresses: UVA addresses of registered host memory); streams are raw ``cudaStream_t``
-values (``torch.cuda.Stream.cuda_stream``).
+bindings (no hand-declared prototypes, no library loaded by name): host memory registration
+(``torch.cuda.cudart()``), the device address of mapped host memory (:func:`device_pointer`)
+and the copy engine (``cudaMemcpyAsync``, ``cudaMemcpy2DAsync``, ``cuMemcpyBatchAsync`` on
+CUDA >= 12.8, from ``cuda-bindings``: the ``cuda12`` / ``cuda13`` extras). Every binding is
+imported on first use, so a machine without CUDA imports kvmove; a copy-engine call without
+``cuda-bindings`` is a :class:`CudaApiError` naming the extra, and
+:func:`copy_engine_problem` says why the copy-engine paths cannot run.
 """
 
 from __future__ import annotations
@@ -133,7 +114,12 @@ def host_unregister(address: int) -> None:
 def device_pointer(address: int) -> int:
     """The device address of registered, mapped host memory at ``address``: what
     ``cudaHostGetDevicePointer`` answers where ``cuda-bindings`` is installed, else the host
-    address itself (unified addressing; see the module's docstring)."""
+    address itself."""
+    # On a 64-bit system with unified addressing (every system CUDA 12 and 13 run on) memory
+    # registered with cudaHostRegisterMapped has its host address as device address wherever
+    # every device reports cudaDevAttrCanUseHostPointerForRegisteredMem (the CUDA runtime's
+    # documentation of cudaHostGetDevicePointer). torch's cudart() does not expose that call,
+    # so pinned staging and the direct kernel need torch and Triton only.
     found = _bindings()
     if found is None:
         return address

@@ -1,21 +1,8 @@
 """Constants a copy keeps on a GPU (per-layer address tables, ring row numbers): made once,
 read by kernels on any stream, and made without waiting for the work the caller's streams
-have queued.
-
-A plain ``torch.tensor(values).to(device)`` is none of that: the upload is enqueued on the
-caller's current stream, and from pageable memory the driver first waits for that stream to
-drain, so the first call of a new cache (or layer set) inside the decode loop stalls the
-engine's thread until its kernels end. And a tensor uploaded on one stream is not safe to
-read from another until that stream gets there. :func:`device_constant` uploads on a private
-stream of its own, which holds nothing else, and waits for that stream alone: the constant
-is complete on the device when it returns (any stream may read it), and the caller's
-streams are neither waited for nor given work.
-
-Constants are kept for the life of the process, one per device and value: a kernel queued
-on any stream may still read one when its maker is dropped, and torch's caching allocator
-would hand freed memory to the next upload with no order after that kernel. They are few
-and small (a table of layer addresses per cache and layer set, ring row numbers per ring
-size), and a cache wrapped again over the same tensors finds its tables made already.
+have queued. :func:`device_constant` uploads on a private stream and waits for that stream
+alone. Constants are kept for the life of the process, one per device and value: they are
+few and small, and a kernel queued on any stream may still read one after its maker is gone.
 """
 
 from __future__ import annotations
@@ -52,6 +39,12 @@ def device_constant(values: torch.Tensor, device: torch.device) -> torch.Tensor:
         raise RuntimeError(
             "a kvmove device constant (a pointer table or ring rows) was first needed during "
             "CUDA-graph capture: run the copy once before capturing it (the warm-up)")
+    # Not torch.tensor(values).to(device): that upload is enqueued on the caller's stream,
+    # and from pageable memory the driver first waits for that stream to drain, so a new
+    # cache's first call in the decode loop would stall the engine's thread until its
+    # kernels end; and a tensor uploaded on one stream is not safe to read from another
+    # until that stream gets there. Kept for good: torch's caching allocator would hand
+    # freed memory to the next upload with no order after a kernel still reading it.
     stream = _upload_stream(device)
     values = values.contiguous()
     key = (stream.device_index, values.dtype, tuple(values.shape), values.numpy().tobytes())

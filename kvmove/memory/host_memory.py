@@ -1,30 +1,11 @@
 """Page-aligned host memory for staging; pinned and device-accessible when CUDA is present.
 
-One anonymous ``mmap`` per allocation gives page-aligned, zero-filled memory:
-
-- **One registration per allocation.** On CUDA the whole range is registered with one
-  ``cudaHostRegister`` call (portable, mapped; :mod:`kvmove.memory.cuda_api`), the way engines pin
-  their host KV pools, so no copy, 2-D copy or store span inside one allocation ever crosses
-  a registration boundary (a range registered piecewise is not one pinned range to the copy
-  engine). The allocation maps one spare page after its bytes, so two allocations are never
-  adjacent and no merged span can run from one into the next either.
-- **Unregistered before it is unmapped.** :meth:`HostMemory.close` unregisters; an
-  allocation dropped without it is unregistered by a ``weakref.finalize`` that holds the
-  mapping, so the pages stay mapped until the unregister has run.
-- **Resident from the start.** On Linux the mapping is populated when it is made
-  (``MAP_POPULATE``; the process holds all of it from then on): no page of it faults in
-  later, while serving. Pinning populates it too; without it (a host-memory KV cache) the
-  first calls that touched fresh staging slots paid for their pages (measured on a 2-vCPU
-  VM: the first get of 32 one-token pages x 61 layers took 1.0 ms, the next ones 0.4 ms;
-  populated, 0.48 ms).
-- **Not shared with forked children.** ``madvise(MADV_DONTFORK)``: a child of ``fork`` (the
-  embedded Mooncake master is started by fork + exec) gets no copy-on-write view of pinned
-  pages, so a write by the parent never moves a page away from the device's mapping, and
-  forking does not copy the page tables of gigabytes of staging.
-
-Kernels must use :attr:`HostMemory.device_address` (not the bare host pointer) to reach it.
-The registration is behind a small interface (:class:`CudaPinning`, :func:`pinning_for`),
-so it can be observed without a GPU.
+One anonymous ``mmap`` per allocation: zero-filled, resident from the start (Linux), not
+shared with forked children, and on CUDA registered whole with one ``cudaHostRegister``
+(portable, mapped; :mod:`kvmove.memory.cuda_api`). :meth:`HostMemory.close` unregisters
+(a ``weakref.finalize`` does for one dropped without it, before the pages are unmapped).
+Kernels must use :attr:`HostMemory.device_address`, not the bare host pointer. The
+registration is behind :class:`Pinning` / :func:`pinning_for`, observable without a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +21,10 @@ log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 # Linux: the pages are mapped in when the mapping is made (elsewhere they fault in on first
-# touch, as before).
+# touch), so none faults in later, while serving. Pinning populates them too; without it (a
+# host-memory KV cache) the first calls that touched fresh staging slots paid for their
+# pages (2-vCPU VM: the first get of 32 one-token pages x 61 layers took 1.0 ms, the next
+# ones 0.4 ms; populated, 0.48 ms).
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -89,9 +73,16 @@ class HostMemory:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.nbytes = nbytes
-        mapped = -(-nbytes // PAGE) * PAGE + PAGE  # one spare page: never adjacent to another
+        # One registration per allocation, the way engines pin their host KV pools: no copy
+        # or store span inside it crosses a registration boundary (a range registered
+        # piecewise is not one pinned range to the copy engine). One spare page after its
+        # bytes: two allocations are never adjacent, so no merged span runs into the next.
+        mapped = -(-nbytes // PAGE) * PAGE + PAGE
         self._map = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                               | _POPULATE)
+        # A child of fork (the embedded Mooncake master is started by fork + exec) gets no
+        # copy-on-write view of pinned pages: a write by the parent never moves a page away
+        # from the device's mapping, and a fork does not copy gigabytes of page tables.
         dontfork = getattr(mmap, "MADV_DONTFORK", None)
         if dontfork is not None:
             self._map.madvise(dontfork)

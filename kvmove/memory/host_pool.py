@@ -1,24 +1,11 @@
 """``HostPool``: the pages of a host KV pool that an engine allocated (kvmove did not),
-described for zero-copy store puts and gets.
-
-An engine such as SGLang keeps its own host pool and registers it with the store; kvmove
-describes its pages in place, with the same vectorised arithmetic as :func:`kvmove.describe`
-(one ``tolist()``, no Python loop over pages or layers). Per buffer the pool is one tensor in
-one of the engine's layouts:
-
-- ``"layer_first"``: ``[L, tokens, *row]`` (SGLang's MLA ``[L, size, 1, dim]``); a page's
-  object is one span per layer (``[layer][token]``), merged where spans touch.
-- ``"page_first"``: ``[tokens, L, *row]`` (SGLang's MLA ``[size, L, 1, dim]``, one half of
-  its MHA ``[2, size, L, heads, dim]``); a page's object is one contiguous span,
-  ``[token][layer]``.
-- ``"page_first_direct"``: ``[pages, L, page_tokens, *row]``; a page's object is one
-  contiguous span, ``[layer][token]`` (the same bytes as a ``layer_first`` object).
-
-Page ``p`` is tokens ``p * page_tokens .. (p + 1) * page_tokens - 1``. Buffers of one pool
-share the layout, ``page_tokens`` and the number of pages; a page's object holds its spans of
-every buffer, in declaration order. Where an engine stores one object per buffer (SGLang's
-MHA ``_k`` and ``_v`` objects), describe one pool per buffer and
-:func:`kvmove.objects.descriptors.concat` the descriptors into one batch.
+described in place for zero-copy store puts and gets. Per buffer the pool is one tensor:
+``"layer_first"`` ``[L, tokens, *row]`` (a page's object is one span per layer, merged
+where they touch), ``"page_first"`` ``[tokens, L, *row]`` (one span, ``[token][layer]``) or
+``"page_first_direct"`` ``[pages, L, page_tokens, *row]`` (one span, ``[layer][token]``).
+Page ``p`` is tokens ``p * page_tokens ..`` up to the next page; a page's object holds its
+spans of every buffer, in declaration order. See ``docs/API.md``,
+"``kvmove.HostPool(buffers, *, page_tokens, layout)``".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""``JobThreads``: the worker threads that run a mover's background jobs.
-
-A leaner :class:`concurrent.futures.ThreadPoolExecutor` for the hot path. A job that is a
-future already (:class:`kvmove.mover.transfer.StealableJob`) is queued as it is, with no second
-future around it, and a worker that has finished a job goes straight back to the queue. The
-thread waiting for a job is woken by the job's ``set_result``, and then needs the GIL, which
-the worker holds until it blocks on the queue again: whatever the worker does between the
-two (an executor's second future and its idle semaphore) delays the waiter. Measured on a
-2-vCPU VM with cold caches, as after a transfer: a submit 25-26 -> 16-18 µs, the waiter back
-2-8 µs sooner (bench/results/cpu-amd-epyc-2c-20261205-lean-jobs/job_hand_off.txt).
-
-Not the store's :class:`~kvmove.store.bounded_call.CallRunner`, which starts a thread for
-every call that finds none idle (a stuck native call must never hold up another) and is
-never shut down: a mover's jobs need a cap (prefetch jobs wait for staging slots that the
-puts on a separate pool free) and a shutdown that waits for what was queued.
-
-Threads start on demand, up to ``max_workers`` (or all at once, :meth:`JobThreads.start_all`,
-before serving: a thread started by a job's call costs that call about 0.1 ms), and stay
-until :meth:`JobThreads.shutdown`,
-which runs every job queued before it, then ends them. They are daemon threads; a process
-that exits without shutting them down runs the jobs queued until then first, where an
-executor's threads would (before the interpreter's own ``atexit`` hooks, such as a store's
-close), so that a put in flight is not dropped. ``JobThreads`` dropped without a shutdown
-(garbage) end their threads once their queue is empty; such a pool is not waited for at
-exit (a mover's queued jobs hold the mover, and so its pools, until they have run).
-"""
+"""``JobThreads``: the worker threads that run a mover's background jobs: a leaner
+:class:`concurrent.futures.ThreadPoolExecutor` for the hot path. A job that is a future
+already (:class:`kvmove.mover.transfer.StealableJob`) is queued as it is, and a worker goes
+straight back to the queue after a job: the waiter it woke needs the GIL meanwhile (on a
+2-vCPU VM a submit measured 25-26 -> 16-18 µs, the waiter back 2-8 µs sooner). Unlike the
+store's ``CallRunner`` it has a cap and a shutdown that runs what was queued; threads are
+daemons, and a process that exits without a shutdown runs the jobs queued until then first
+(a put in flight is not dropped)."""
 
 from __future__ import annotations
 
@@ -98,16 +80,12 @@ def _stop_workers(shared: _Shared, threads: list[threading.Thread]) -> None:
 
 
 class JobThreads:
-    """Up to ``max_workers`` threads named ``name_<i>`` that run queued jobs in order.
-
-    - ``submit(fn, *args)``: queue a call; its future.
-    - ``start(job)``: queue an object whose ``run()`` does the work and reports it (a
-      future of its own, such as :class:`kvmove.mover.transfer.StealableJob`).
-    - ``start_all()``: start every worker now, before the first job.
-    - ``shutdown(wait=True)``: no job is taken after it; those queued before it run, and
-      with ``wait`` it returns once they have (from a worker's own thread it does not
-      wait for that thread).
-    """
+    """Up to ``max_workers`` threads named ``name_<i>`` that run queued jobs in order:
+    ``submit(fn, *args)`` (a future), ``start(job)`` (an object whose ``run()`` reports its
+    own result), ``start_all()`` (every worker now, before the first job: one started by a
+    call costs it ~0.1 ms), ``shutdown(wait=True)`` (no job taken after it; those queued
+    before it run; it does not wait for the calling worker's own thread). Pools dropped
+    without a shutdown end their threads once their queue is empty."""
 
     def __init__(self, max_workers: int, name: str):
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) \

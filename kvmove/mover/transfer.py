@@ -47,15 +47,12 @@ class FutureEvent:
 
 
 class StealableJob(Future):
-    """A job queued for a worker thread that the first thread to wait for it runs itself,
-    when no worker has started it yet (that waiter would only block meanwhile; on a busy
-    machine a worker can take milliseconds to be scheduled), unless the wait has a timeout
-    (the job may take longer than it: a bounded waiter only waits). Runs exactly once;
-    a waiter's run is inside ``guard()``, entered before the job is claimed (the mover
-    counts such runs, so that ``close()`` waits for them too; a guard that yields ``False``
-    refuses, and the queued job runs on its worker). ``for_layer_waiters=False``: a
-    ``Transfer.wait_layer`` never runs it (a layer-by-layer job, whose waiter wants its first
-    layer while a worker scatters the next ones); an unbounded ``Transfer.wait`` still does.
+    """A job queued for a worker that the first thread to wait for it without a timeout
+    runs itself when no worker has started it (a bounded waiter only waits). Runs exactly
+    once; a waiter's run is inside ``guard()`` (the mover counts it for ``close()``; a
+    guard that yields ``False`` refuses, and the job runs on its worker).
+    ``for_layer_waiters=False``: ``Transfer.wait_layer`` never runs it (a layer-by-layer
+    job: its waiter wants the first layer while a worker scatters the next).
     A :class:`~concurrent.futures.Future` for everything else."""
 
     def __init__(self, fn, guard, *, for_layer_waiters: bool = True):
@@ -229,19 +226,12 @@ class ScatterEvent:
 
 
 class Transfer:
-    """One evict or prefetch. ``wait()`` gives one :class:`Status` per key.
-
-    - ``gathered`` (evict): an event after which the engine may overwrite the evicted KV
-      rows (a ``torch.cuda.Event`` on CUDA; on CPU the gather finished before ``evict``
-      returned and this is an already-completed stand-in).
-    - ``scattered`` (prefetch): an event-like object after which every ``OK`` key's rows
-      are in the KV cache (see :class:`ScatterEvent`).
-    - ``wait_layer(l)`` (prefetch): returns once layer ``l`` of every OK key is in the KV
-      cache (on CUDA: once the engine's current stream on the KV's device has been made to
-      wait for it).
-
-    A call larger than the staging runs in pieces; their results are joined in key order.
-    """
+    """One evict or prefetch. ``wait()`` gives one :class:`Status` per key, in order (a
+    call run in pieces joins their results). ``gathered`` (evict): an event after which
+    the engine may overwrite the evicted rows (a completed stand-in on the CPU).
+    ``scattered`` (prefetch): event-like, after which every ``OK`` key's rows are in the
+    cache. ``wait_layer(l)`` (prefetch): once layer ``l`` of every OK key is in place (on
+    CUDA the current stream is made to wait for it). ``docs/API.md``, "KVMover"."""
 
     def __init__(self, keys: list[str], *, kind: str, num_layers: int,
                  device: torch.device | None = None):

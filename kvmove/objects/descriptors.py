@@ -1,23 +1,11 @@
 """Per-key multi-buffer descriptors of staging slots (layer-first or page-first).
 
-One store key is one page. Its object is, in the cache's buffer declaration order, for each
-layer in ascending order, the page's first ``valid_tokens`` rows (the canonical object of
-``docs/API.md``). In a layer-first staging buffer ``[L, num_slots, page_tokens *
-row_bytes]`` that is one span per (buffer, layer), at
-
-    tensor(name).data_ptr() + layer * layer_pitch + slot * slot_pitch
-
-of ``valid_tokens * row_bytes`` bytes. :func:`describe` computes every span of every key with
-numpy arithmetic on a ``[keys, spans]`` array and converts it with one ``tolist()``: the
-conversion to Python ints that Mooncake's API needs is the floor of the cost, and nothing
-loops in Python over (page, layer). Spans that touch in memory inside one buffer (one staging
-slot, full pages) are merged: fewer spans, the same bytes. Spans of different buffers are
-never merged, even where two allocations happen to be adjacent, because each buffer is its
-own registered memory region.
-
-In a page-first staging buffer ``[num_slots, page_tokens, L, row_bytes]`` a page's first
-``valid_tokens`` tokens of every layer are contiguous: one span per buffer of
-``valid_tokens * L * row_bytes`` bytes, token by token (SGLang's ``page_first`` object).
+One store key is one page; its object is the canonical object of ``docs/API.md``
+("Descriptors"). In a layer-first staging ``[L, num_slots, page_tokens * row_bytes]`` that
+is one span per (buffer, layer), of ``valid_tokens * row_bytes`` bytes; in a page-first
+staging ``[num_slots, page_tokens, L, row_bytes]`` one span per buffer of ``valid_tokens *
+L * row_bytes`` bytes. Spans that touch inside one buffer merge; spans of different buffers
+never do (each buffer is its own registered region). No Python loop over (page, layer).
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from kvmove.checks import check_keys, check_slots, check_valid_tokens
+from kvmove.checks import as_int_array, check_keys, check_valid_tokens
 
 __all__ = ["Descriptors", "concat", "describe", "describe_trusted"]
 
@@ -359,7 +347,7 @@ def describe(staging, slots, keys: Sequence[str], *, valid_tokens=None) -> Descr
     """
     keys = check_keys(keys)
     n = len(keys)
-    slot_ids = check_slots(slots, n, staging.num_slots)
+    slot_ids = _check_slots(slots, n, staging.num_slots)
     vt = (staging.page_tokens if valid_tokens is None
           else check_valid_tokens(valid_tokens, n, staging.page_tokens))
     return describe_trusted(staging, slot_ids, keys, vt)
@@ -445,3 +433,18 @@ def concat(parts: Sequence[Descriptors]) -> Descriptors:
         if keys else np.zeros(0, dtype=np.int64)
     return Descriptors._trusted(keys, [p for d in parts for p in d.ptrs],
                                 [s for d in parts for s in d.sizes], nbytes, regions, None)
+
+
+def _check_slots(slots, n: int, num_slots: int) -> np.ndarray:
+    """``slots`` as int64, one per key, each in ``0 .. num_slots - 1``."""
+    arr = as_int_array(slots, "slots")
+    if arr.size != n:
+        raise ValueError(f"slots has {arr.size} entries for {n} keys; give one slot per key")
+    if n and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
+        bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
+        i = int(bad[0])
+        raise IndexError(
+            f"slots[{i}] = {int(arr[i])} is out of range 0..{num_slots - 1} "
+            f"({bad.size} slot(s) out of range)"
+        )
+    return arr

@@ -1,37 +1,11 @@
 """The pages of a :class:`~kvmove.KVCache` described in place: per-key multi-buffer
-descriptors whose spans are the KV rows themselves, so that the store reads them (put) and
-writes them (get) where they are, with no staging copy.
-
-A key's object is exactly the object a staging buffer of the same ``layout`` holds
-(``docs/API.md``), byte for byte:
-
-- ``layer_first``: per buffer in declaration order, per layer ascending, the page's first
-  ``valid_tokens`` rows;
-- ``page_first``: per buffer, token by token (the first ``valid_tokens``), every layer's row
-  of the token side by side (SGLang's ``page_first`` object).
-
-In place, each span is one KV row (``row_bytes`` at ``layer base + slot * pitch``), in that
-object order. Neighbouring spans merge where the memory runs on (the page's rows are
-consecutive slots of one layer; or, for ``page_first``, a cache that keeps a token's layers
-side by side) and both lie in one region (one tensor's storage: a span never crosses from
-one registered allocation into another). Everything is array arithmetic over ``[keys,
-spans]`` and one ``tolist()`` of the addresses; nothing loops in Python over pages, layers
-or tokens.
-
-What cannot be in place, and what stands in:
-
-- a padding row (``-1``) inside a page's valid rows has no KV row: a put reads a row of
-  zeros there, a get writes those bytes into a row kept for discarding (the staged path
-  zeroes such a row in its staging slot, and drops it on the way back: the same object);
-- ``get(bad=...)``: the rows of a key whose page names a row outside the cache (``check=False``)
-  go to the discard row too, so that the store still answers for the key (its status is the
-  same as on the staged path) while no byte lands outside the cache;
-- an object with a checksum trailer: the trailer is computed from the staged bytes, so the
-  mover refuses the in-place path with ``checksum=True``.
-
-The memory to register with the store is :meth:`InPlaceRows.regions`: one region per
-storage the cache's layers live in (the extent its rows cover), and the small region of the
-zero and discard rows.
+descriptors whose spans are the KV rows themselves, so that the store reads (put) and
+writes (get) them where they are, with no staging copy. A key's object is byte for byte the
+object a staging buffer of the same ``layout`` holds; neighbouring spans merge where memory
+runs on inside one region, never across two. A padding row (``-1``), and the rows of a key
+whose page names a row outside the cache, read zeros (put) or land in a discard row (get).
+The regions to register are :meth:`InPlaceRows.regions`. See ``docs/API.md``, "The
+in-place path".
 """
 
 from __future__ import annotations

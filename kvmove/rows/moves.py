@@ -10,13 +10,14 @@ counter, and duplicate destinations are not detected.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvmove.checks import (
     as_index_tensor,
-    check_disjoint,
     check_range,
     check_unique,
+    host_values,
 )
 from kvmove.memory.cache import KVCache
 from kvmove.memory.row_pool import RowPool
@@ -255,3 +256,18 @@ def scatter(
     errors = error_counter(errors, prepared.device)
     copy_pages(prepared, token_pages, slots, errors, check=check)
     return errors
+
+
+def check_disjoint(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Within one pool, no row is both read and written (``-1`` excepted): the result would
+    depend on the order of the copies."""
+    a, b = host_values(src_rows), host_values(dst_rows)
+    # Sorted and searched, not intersect1d/isin: see kvmove.checks.has_repeats.
+    read, written = a[a >= 0], np.sort(b[b >= 0])
+    if not (read.size and written.size):
+        return
+    found = written[np.searchsorted(written, read).clip(max=written.size - 1)]
+    shared = read[found == read]
+    if shared.size:
+        raise ValueError(f"src_rows and dst_rows both name row {int(shared[0])} of the same "
+                         "pool: a copy within one pool must not write a row it reads")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmove.checks import check_same_geometry
 from kvmove.memory.row_pool import BufferRows, RowPool
 from kvmove.rows.copy_engine import two_hop
 from kvmove.rows.host_indices import pair_to_device
@@ -250,7 +249,7 @@ def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "au
         with contextlib.suppress(KeyError):  # another thread may have dropped it meanwhile
             cache.move_to_end(key)
         return hit
-    check_same_geometry(src.shape, dst.shape, src.kind, dst.kind)
+    _check_same_geometry(src.shape, dst.shape, src.kind, dst.kind)
     prepared = PreparedCopy(src, dst, layer_key, backend=backend, direction=direction,
                             page_tokens=page_tokens)
     with _cache_lock:
@@ -258,3 +257,15 @@ def prepared_copy(src: RowPool, dst: RowPool, layers=None, *, backend: str = "au
         while len(cache) > PREPARED_KEPT:
             cache.popitem(last=False)
     return prepared
+
+
+def _check_same_geometry(src_shape: dict, dst_shape: dict, src_kind: str, dst_kind: str
+                         ) -> None:
+    """Two row pools that rows are copied between name the same buffers with the same
+    layers and row bytes (``shape``: buffer -> (layers, row bytes)); else ``ValueError``
+    showing both."""
+    if src_shape != dst_shape:
+        raise ValueError(
+            f"source and destination differ in geometry (buffer: (layers, row bytes)): "
+            f"{src_kind} {src_shape} vs {dst_kind} {dst_shape}"
+        )

@@ -1,30 +1,11 @@
-"""Bounded waits on native calls that take no timeout.
-
-Mooncake's store calls (and the Transfer Engine's) take no timeout argument; the only bound
-is Mooncake's own 60-s cap per transfer, and a call stuck that long still writes into (get)
-or reads from (put) its memory until it returns. So:
-
-- :func:`call_bounded` runs the call on a daemon thread of a :class:`CallRunner` and waits at
-  most ``timeout`` seconds for it (:func:`start_call` starts it, to take the outcome later,
-  still at most ``timeout`` after it started). A call that ended gives its value; one that
-  did not is *late*: the caller gives up on it (its keys end ``FAILED``), but its
-  :class:`Future` completes only when the native call has really returned. Memory the call
-  uses must not be freed, reused or handed back before then (``late.add_done_callback``).
-  A wait interrupted on its thread (a signal's ``KeyboardInterrupt``) lets the exception
-  go on only once the call has returned: the frames it passes free the call's memory.
-- :class:`SpanBudget` counts the transfer requests (spans) a client has in flight, all its
-  calls together, and releases a call's spans only when that call has really returned, so a
-  late call keeps holding its share of the transport's queue.
-- :func:`call_watched` runs the call on the calling thread instead, for a caller that would
-  wait for a late call anyway (its memory goes back only once Mooncake returns): no thread
-  hand-off (two thread wake-ups, 0.1-0.2 ms on a busy host). A :class:`Watchdog` gives up on
-  it at the same bound (the caller's ``on_late`` runs then, on the watchdog's thread, as it
-  would for a call given up); the caller gets the outcome of a call given up once it
-  returns.
-- :func:`settled` joins several late calls into one future.
-
-Used by :class:`kvmove.MooncakeStore`; nothing here knows Mooncake, so the direct transfer
-path can use the same bound.
+"""Bounded waits on native calls that take no timeout (Mooncake's store and Transfer Engine
+calls; Mooncake's own cap is 60 s per transfer). :func:`call_bounded` and :func:`start_call`
+run a call on a runner thread and wait at most ``timeout`` once it started; a call that timed
+out is still in flight, and its future (``late``) completes only once it has really returned:
+its memory must not be freed or reused before then. :class:`SpanBudget` counts a client's
+spans in flight until their calls return; :func:`call_watched` runs a call on the calling
+thread, timed out by a :class:`Watchdog` at the same bound; :func:`settled` joins futures.
+Nothing here knows Mooncake: the direct transfer path uses the same bound.
 """
 
 from __future__ import annotations
@@ -156,7 +137,7 @@ class StartedCall:
 
 
 def wait_until_returned(*futures: Future) -> None:
-    """Wait until every one of ``futures`` (calls, or calls given up) is done, for a caller
+    """Wait until every one of ``futures`` (calls, or calls that timed out) is done, for a caller
     about to free or hand back memory they use. A signal's exception meanwhile does not cut
     the wait short (Mooncake caps its calls at 60 s): the first is raised once they are all
     done."""
@@ -173,7 +154,7 @@ def wait_until_returned(*futures: Future) -> None:
 
 
 _INTERRUPTED = ("interrupted while a native call ran: the interruption went on once the call "
-                "had returned (it used memory that is let go of then)")
+                "had returned (it used memory that is released then)")
 
 
 def start_call(fn: Callable, *args, runner: CallRunner | None = None,
@@ -197,7 +178,7 @@ def call_bounded(fn: Callable, *args, timeout: float, runner: CallRunner | None 
 
 
 class Watchdog:
-    """One daemon thread that gives up on calls that have not returned in time: a caller
+    """One daemon thread that times out calls that have not returned in time: a caller
     :meth:`arm` s its call (a token) with what to do then, and :meth:`disarm` s it when the
     call returns; past the call's timeout the watchdog runs ``on_late()`` on its own
     thread (the call itself runs on to its end on the caller's). ``timeout`` is
@@ -248,8 +229,8 @@ class Watchdog:
         self._thread = thread
 
     def disarm(self, token: object) -> bool:
-        """The call ``token`` returned: True when in time, False when the watchdog gave up
-        on it (its ``on_late`` has run, runs, or is about to run on the watchdog's
+        """The call ``token`` returned: True when in time, False when the watchdog timed
+        it out (its ``on_late`` has run, runs, or is about to run on the watchdog's
         thread)."""
         with self._lock:
             return self._armed.pop(token, None) is not None
@@ -304,7 +285,7 @@ def start_call_threads(idle_runners: int) -> None:
 
 
 class _LateFuture:
-    """The future of a watched call that was given up, made by whichever of the watchdog
+    """The future of a watched call that timed out, made by whichever of the watchdog
     and the caller wants it first: a call that returns in time makes none (a future's
     condition and its wake-up cost a visible part of a hot call)."""
 
@@ -326,10 +307,10 @@ def call_watched(fn: Callable, *args, timeout: float,
                  watchdog: Watchdog | None = None) -> CallOutcome:
     """Run ``fn(*args)`` on this thread, watched: if it has not returned within ``timeout``
     seconds, ``on_late(late)`` runs then, on the watchdog's thread, with a future that
-    completes when ``fn`` returns (as :func:`start_call`'s would for a call given up), and
-    the outcome, taken once ``fn`` has returned, is that of a late call (``done`` False,
+    completes when ``fn`` returns (as :func:`start_call`'s would for a call that timed out), and
+    the outcome, taken once ``fn`` has returned, is that of a call that timed out (``done`` False,
     ``late`` completed with what ``fn`` returned or raised). Returns only when ``fn`` has:
-    for callers that would wait for a late call anyway."""
+    for callers that would wait for a call in flight anyway."""
     token = _LateFuture()
     dog = watchdog or _WATCHDOG
     dog.arm(token, (lambda: on_late(token.get())) if on_late is not None else (lambda: None),

@@ -1,28 +1,9 @@
-"""``StoreConfig``: how to reach a Mooncake store, from code, a dict, or SGLang's environment.
-
-The environment variables are SGLang's (``MooncakeStoreConfig.load_from_env``; the local
-buffer size is Mooncake's own name), so an engine deployment that already talks to Mooncake
-works unchanged:
-
-========================================  ==========================  =====================
-variable                                  field                       default
-========================================  ==========================  =====================
-``MOONCAKE_MASTER``  (required)           ``master_address``          —
-``MOONCAKE_PROTOCOL``                     ``protocol``                ``tcp``
-``MOONCAKE_DEVICE``                       ``rdma_devices``            ``""``
-``MOONCAKE_TE_META_DATA_SERVER``          ``metadata_server``         ``P2PHANDSHAKE``
-``MOONCAKE_GLOBAL_SEGMENT_SIZE``          ``global_segment_size``     4 GiB
-``MOONCAKE_LOCAL_BUFFER_SIZE``            ``local_buffer_size``       16 MiB
-``MOONCAKE_LOCAL_HOSTNAME``               ``local_hostname``          ``localhost``
-``KVMOVE_REPLICAS``                       ``replicas``                1
-``KVMOVE_CALL_TIMEOUT``                   ``call_timeout``            10 (seconds)
-``MOONCAKE_TENANT_ID``                    ``tenant_id``               ``default``
-========================================  ==========================  =====================
-
-Sizes are plain byte counts or numbers with a unit, as SGLang and Mooncake accept them:
-``4294967296``, ``"4gb"``, ``"512MB"``, ``"1.5g"`` (units are powers of 1024). A malformed
-value raises ``ValueError`` naming the variable (or field) and the value.
-"""
+"""``StoreConfig``: how to reach a Mooncake store, from code, a dict, or SGLang's environment
+(the ``MOONCAKE_*`` variables SGLang reads, plus ``KVMOVE_REPLICAS`` and
+``KVMOVE_CALL_TIMEOUT``), so an engine deployment that already talks to Mooncake works
+unchanged. Sizes are byte counts or numbers with a unit (``"4gb"``, ``"512MB"``, ``"1.5g"``;
+powers of 1024); a malformed value raises ``ValueError`` naming the variable and the value.
+The fields, variables and defaults: ``docs/API.md``, ``StoreConfig``."""
 
 from __future__ import annotations
 
@@ -182,40 +163,11 @@ def check_transport(values: Mapping) -> dict:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where the Mooncake store is and how this client joins it.
-
-    ``master_address``: the master's RPC ``host:port``. ``metadata_server``: the transfer
-    engine's metadata service (``"P2PHANDSHAKE"`` needs none; etcd or the master's HTTP
-    server in RDMA deployments). ``protocol``: ``"tcp"`` or ``"rdma"`` (or another transport
-    Mooncake was built with). ``rdma_devices``: e.g. ``"mlx5_0,mlx5_1"`` (``""`` for TCP).
-    ``local_hostname``: the address other clients reach this one at.
-    ``global_segment_size``: bytes this client contributes to the store (0 = none).
-    ``local_buffer_size``: Mooncake's client-side bounce buffer (the zero-copy calls that
-    kvmove uses do not need a large one). ``replicas``: on how many segments (clients)
-    every object is stored (Mooncake's ``ReplicateConfig.replica_num``): with 2, the death
-    of one engine process loses no page once the master has dropped it (README,
-    "Clusters"). Replicas go to distinct segments; with fewer live segments than
-    ``replicas``, Mooncake 0.3.13 stores as many as there are and answers ``OK``.
-    ``tenant_id``: the Mooncake tenant whose key space the objects live in (``"default"``;
-    blank or ``None`` mean it, as in SGLang and vLLM): clients of different tenants never
-    see each other's objects.
-
-    kvmove's own knobs: ``connect_timeout`` (seconds the master has to react to a probe
-    request before :class:`kvmove.StoreError`; Mooncake's ``setup()`` alone would retry for
-    about 90 s against a master that is not there, and freeze the process against one that
-    accepts connections but does not answer; ``close()`` uses it too, to see whether the
-    master is still there),
-    ``max_batch_keys`` (keys per Mooncake
-    call; larger batches are split) and ``detect_exists`` (ask the master which keys exist
-    before a put, so that ``put`` can report ``Status.EXISTS``: Mooncake 0.3.13 answers ``0``
-    for a put of an existing key).
-
-    The bound (README "Clusters"): ``call_timeout`` (seconds, default 10) is the longest
-    kvmove waits for one Mooncake call; a call still running then is given up and its keys
-    end ``FAILED``. ``max_call_spans`` / ``max_inflight_spans``: spans per Mooncake call and
-    in flight per client (``None``: the measured figures for the protocol,
-    :mod:`kvmove.store.transport_limits`).
-    """
+    """Where the Mooncake store is and how this client joins it: ``master_address``,
+    ``metadata_server``, ``protocol``, ``rdma_devices``, ``local_hostname``,
+    ``global_segment_size``, ``local_buffer_size``, ``replicas``, ``tenant_id`` (Mooncake's), and
+    kvmove's own ``connect_timeout``, ``max_batch_keys``, ``detect_exists``, ``call_timeout``,
+    ``max_call_spans``, ``max_inflight_spans``. Each field: ``docs/API.md``, ``StoreConfig``."""
 
     master_address: str
     metadata_server: str = "P2PHANDSHAKE"

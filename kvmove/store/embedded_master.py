@@ -1,32 +1,11 @@
-"""``EmbeddedMaster``: a private ``mooncake_master`` child process on free loopback ports.
-
-For laptops, CI and tests: :meth:`kvmove.MooncakeStore.embedded` starts one and stops it on
-``close()``. The master is started from an argv list (never a shell), binds the loopback
-address only (RPC and metrics), writes its log to a temporary file whose tail is quoted in
-every error, and is ready when its RPC port accepts connections *and* that listening socket
-belongs to the child (a port taken by someone else in between is retried on new ports).
-
-It never outlives its parent:
-
-- ``stop()`` (also from ``close()``, the context manager, garbage collection and interpreter
-  exit, via :func:`weakref.finalize`) sends ``SIGTERM``, then ``SIGKILL`` after a grace time;
-- on Linux the child asks for ``SIGKILL`` when its parent dies (``PR_SET_PDEATHSIG``), so a
-  test process killed with ``SIGKILL`` leaves no orphan master behind. That signal fires when
-  the *thread* that forked the child exits, so every master is spawned by one long-lived
-  daemon thread of this module (the "spawner"), never by the caller's thread, which may be a
-  short-lived worker. Daemon threads are not joined at interpreter exit, so the spawner lives
-  exactly as long as the process;
-- the child runs in its own session, so a terminal's Ctrl-C reaches only the Python process,
-  which then closes its stores before it stops the master;
-- ``SIGTERM``: Python's default action ends the process at once, without running
-  finalizers, which would leave the master's log file behind (the master itself still dies
-  with its parent, above). So when the first master is started from the main thread and
-  ``SIGTERM`` still has its default action, a handler is installed that stops this
-  process's masters (``SIGTERM``, then ``SIGKILL``; logs removed), restores the default
-  action and sends ``SIGTERM`` again: the process ends exactly as it would have, by
-  ``SIGTERM``. A handler the application installed (before or after) is never replaced;
-  then only the parent-death signal applies. Forked children do not inherit the masters.
-"""
+"""``EmbeddedMaster``: a private ``mooncake_master`` child process on free loopback ports, for
+laptops, CI and tests (:meth:`kvmove.MooncakeStore.embedded`). Started from an argv list
+(never a shell), bound to loopback, its log in a temporary file quoted in every error; ready
+when its RPC port accepts connections and that socket is the child's. It never outlives its
+parent: ``stop()`` (also at close, garbage collection and exit) sends ``SIGTERM`` then
+``SIGKILL``; the child asks for ``SIGKILL`` when its parent dies (so one daemon "spawner"
+thread forks every master); it runs in its own session; and a default ``SIGTERM`` action is
+wrapped so the masters stop first. See ``docs/API.md``, ``EmbeddedMaster``."""
 
 from __future__ import annotations
 
@@ -317,7 +296,7 @@ def _on_sigterm(signum, frame) -> None:
 
 def _install_sigterm_handler() -> None:
     """Install :func:`_on_sigterm` once, from the main thread, only over the default action
-    (see the module docstring)."""
+    (a handler the application installed, before or after, is never replaced)."""
     global _sigterm_installed
     if _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
@@ -348,22 +327,12 @@ def _tail(path: str, lines: int = 20) -> str:
 
 
 class EmbeddedMaster:
-    """A ``mooncake_master`` child process listening on free loopback ports.
-
-    ``kv_lease_ttl_ms``: how long a read leases an object against removal (Mooncake's
-    ``--default_kv_lease_ttl``, 10 s by default). ``client_ttl_s``: seconds without a
-    heartbeat after which the master drops a client and the replicas on its segment
-    (Mooncake's ``--client_ttl``; :data:`DEFAULT_CLIENT_TTL_S` here, ``None`` for
-    Mooncake's 10 s). ``extra_args``: more ``--flag=value``
-    arguments. ``start_timeout``: seconds to wait for the RPC port. ``keep_log``: keep the
-    log file after a clean stop (it is always kept when the start fails); ``log_to_stderr``:
-    no log file, the master writes to this process's standard error. ``host``: the address
-    to bind (loopback by default); ``rpc_port`` / ``metrics_port``: fixed ports (default:
-    free ones, retried on a race). A fixed port in use, or a host that is not this machine's,
-    raises :class:`kvmove.StoreError` naming the cause before anything starts.
-
-    ``address`` is the ``host:port`` to give a client as its master address.
-    """
+    """A ``mooncake_master`` child process listening on free loopback ports. ``kv_lease_ttl_ms``,
+    ``client_ttl_s`` (:data:`DEFAULT_CLIENT_TTL_S`; ``None``: Mooncake's 10 s) and
+    ``extra_args`` go to the master; ``start_timeout``, ``keep_log``, ``log_to_stderr``,
+    ``host``, ``rpc_port`` / ``metrics_port`` (default: free ones). A fixed port in use, or a
+    host not this machine's, raises :class:`kvmove.StoreError` before anything starts.
+    ``address`` is the ``host:port`` to give a client as its master address."""
 
     def __init__(
         self,

@@ -1,18 +1,9 @@
-"""Mooncake's native log, quiet unless asked for.
-
-Mooncake logs through glog, straight to file descriptor 2: about 18 ``I...`` lines per client
-at set-up, and one ``E... Local segment descriptor not found`` that every peer-to-peer client
-prints there and that means nothing. An engine's terminal should not show them:
-
-- :func:`quiet_mooncake_log` sets ``MC_LOG_LEVEL`` to ``ERROR`` (``INFO`` when kvmove's own
-  logger is at DEBUG) before Mooncake is first used, unless the user set it;
-- :func:`native_stderr_captured` sends fd 2 to a temporary file around a call that logs (a
-  client's ``setup()``); afterwards glog's lines go to the ``kvmove.store.mooncake`` logger (at
-  DEBUG, errors other than the known harmless ones at WARNING) and any other line back to
-  the real stderr, so nothing is lost;
-- :func:`native_stderr_to` (``kvmove demo``) sends fd 2 to a file for a whole run while
-  ``sys.stderr`` keeps writing to the terminal.
-"""
+"""Mooncake's native log (glog, straight to fd 2), quiet unless asked for.
+:func:`quiet_mooncake_log` sets ``MC_LOG_LEVEL`` (``ERROR``; ``INFO`` when kvmove's logger is
+at DEBUG) unless the user set it; :func:`native_stderr_captured` sends fd 2 to a file around a
+call that logs (a client's ``setup()``) and then passes glog's lines to the
+``kvmove.store.mooncake`` logger, any other line back to stderr; :func:`native_stderr_to`
+(``kvmove demo``) sends fd 2 to a file for a whole run."""
 
 from __future__ import annotations
 

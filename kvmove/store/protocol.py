@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from kvmove.objects.descriptors import Descriptors
-    from kvmove.store.mooncake_store import StoreResult
+    from kvmove.store.results import StoreResult
 
 
 @runtime_checkable

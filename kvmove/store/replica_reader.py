@@ -1,25 +1,11 @@
-"""Reading an object from a replica of one's choice: what replica failover needs and Mooncake
-0.3.13's client does not do.
-
-Mooncake 0.3.13's get reads only the *first* replica the master lists for a key; there is
-no fallback inside a call, no way to exclude a segment or pick a replica, and the master
-keeps listing a dead holder's replica as ``COMPLETE`` until its client TTL has passed. What
-it does allow (measured on 0.3.13.post1):
-
-- ``batch_get_replica_desc(keys)`` lists each key's replicas with the holder's transport
-  endpoint, the object's address in the holder's segment and its size; the object is
-  contiguous there. The endpoint is the holder's segment name: with the peer-to-peer
-  handshake the ``host:port`` its Transfer Engine listens on; through a metadata server
-  (``MOONCAKE_TE_META_DATA_SERVER``) a name the server resolves, not an address to probe;
-- a TCP connect to a killed holder's endpoint (peer-to-peer handshake) is refused in well
-  under a millisecond (a stopped one still accepts: a stall cannot be told from a probe);
-- a Transfer Engine of one's own (``mooncake.engine.TransferEngine``, peer-to-peer
-  handshake) reads the live replica's bytes straight into registered memory
-  (``batch_transfer_sync_read``).
-
-A direct read bypasses the store's lease, so :class:`kvmove.MooncakeStore` leases the keys
-first (``batch_is_exist``) and confirms afterwards that the replica it read is still listed
-at the same address with the same size.
+"""Replica failover: a key whose get failed in transport (``-800``: its first-listed
+replica's holder is dead) and that has another complete replica on a live holder is read
+from that replica, directly, within the same call (:class:`Failover`). Mooncake 0.3.13's get
+reads only the first replica the master lists, with no fallback and no way to pick one, and
+the master lists a dead holder's replica as ``COMPLETE`` until its client TTL has passed.
+A direct read bypasses the store's lease: the keys are leased first (``batch_is_exist``) and
+a key counts ``OK`` only when the replica read is still listed, same address and size,
+afterwards. See ``docs/API.md``, "The store".
 """
 
 from __future__ import annotations
@@ -28,14 +14,26 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmove.errors import KVMoveError, StoreError
+from kvmove.status import CALL_TIMEOUT, TRANSFER_FAIL
+from kvmove.store.bounded_call import call_bounded, settled
 from kvmove.store.transfer_engine import Engine, TransportSettings
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from kvmove.objects.descriptors import Descriptors
+    from kvmove.store.clients import ClientState
+    from kvmove.store.config import StoreConfig
+    from kvmove.store.transport_limits import TransportLimits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EndpointProbe", "Replica", "ReplicaReader", "replicas_of"]
+__all__ = ["EndpointProbe", "Failover", "Replica", "ReplicaReader", "replicas_of"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +147,125 @@ class ReplicaReader:
     def close(self) -> None:
         """Unregister everything and destroy the engine."""
         self._engine.close()
+
+
+class Failover:
+    """The store's replica failover (module docstring). Its reader is made on first use with
+    every region registered in ``state`` (and kept in ``state.reader``, where registration
+    keeps it up to date and the store's close closes it); made again 30 s after a failure."""
+
+    def __init__(self, config: StoreConfig, limits: TransportLimits, state: ClientState):
+        self.config, self.limits, self.state = config, limits, state
+        self._probe = EndpointProbe()
+        self._failed_at = -1e9
+
+    def reader(self) -> ReplicaReader | None:
+        state = self.state
+        if state.reader is not None:
+            return state.reader
+        if time.monotonic() - self._failed_at < 30.0:
+            return None
+        with state.register_lock:
+            if state.reader is None:
+                try:
+                    reader = ReplicaReader(
+                        local_hostname=self.config.local_hostname,
+                        metadata_server=self.config.metadata_server,
+                        protocol=self.config.protocol, rdma_devices=self.config.rdma_devices)
+                    for address, nbytes in state.registered.items():
+                        reader.register(address, nbytes)
+                except Exception as e:
+                    log.warning("replica failover unavailable: %s", e)
+                    self._failed_at = time.monotonic()
+                    return None
+                state.reader = reader
+        return state.reader
+
+    def run(self, client, desc: Descriptors, codes: list[int], bounded: Callable
+            ) -> Future | None:
+        """Read each key of ``desc`` whose get code is ``TRANSFER_FAIL`` from another live
+        replica into its own spans, setting its code to the object size once read and
+        confirmed (``CALL_TIMEOUT`` for a read that timed out). ``bounded``: the store's
+        bounded master call. Returns the future of reads that timed out, or None."""
+        idx = [i for i, c in enumerate(codes) if c == TRANSFER_FAIL]
+        reader = self.reader()
+        if reader is None or not idx:
+            return None
+        t0 = time.monotonic()
+        keys = [desc.keys[i] for i in idx]
+        leased = bounded(client.batch_is_exist, keys)  # a read leases the keys
+        if not leased.done:  # the master is stuck: listing would wait as long again
+            log.warning("replica failover: the master did not answer for %d keys within the "
+                        "bound; not tried", len(keys))
+            return None
+        listed = bounded(client.batch_get_replica_desc, keys)
+        if not listed.done or listed.error is not None:
+            log.warning("replica failover: could not list the replicas of %d keys (%s)",
+                        len(keys), listed.error or "no answer")
+            return None
+        plan: dict[str, list] = {}
+        probing = reader.endpoints_are_addresses
+        for i, key in zip(idx, keys, strict=True):
+            size = desc.nbytes(i)
+            found = [r for r in replicas_of(listed.value.get(key)) if r.complete
+                     and r.size == size]
+            # The first-listed replica is the one the get read: try the others first (where
+            # endpoints can be probed, the first whose holder accepts connections).
+            choice = next((r for r in found[1:] + found[:1]
+                           if not probing or self._probe.alive(r.endpoint)), None)
+            if choice is not None and all(reader.covers(p, n) for p, n in
+                                          zip(desc.ptrs[i], desc.sizes[i], strict=True)):
+                plan.setdefault(choice.endpoint, []).append((i, choice))
+        read, late = [], []
+        deadline = t0 + self.config.call_timeout
+        for endpoint, items in plan.items():
+            for group in self._groups(desc, items):
+                local, remote, lengths = [], [], []
+                for i, replica in group:
+                    offset = replica.address
+                    for ptr, n in zip(desc.ptrs[i], desc.sizes[i], strict=True):
+                        local.append(ptr)
+                        remote.append(offset)
+                        lengths.append(n)
+                        offset += n
+                out = call_bounded(reader.read, endpoint, local, remote, lengths,
+                                   timeout=deadline - time.monotonic())
+                if not out.done:  # its spans may still be written: never read them again
+                    late.append(out.late)
+                    for i, _ in group:
+                        codes[i] = CALL_TIMEOUT
+                    log.warning("replica failover: a read of %d spans from %s gave no answer "
+                                "by the bound", len(local), endpoint)
+                elif out.error is None and out.value == 0:
+                    read += group
+                else:
+                    log.warning("replica failover: reading %d keys from %s failed (%s)",
+                                len(group), endpoint, out.error or out.value)
+        if read:
+            confirm = bounded(client.batch_get_replica_desc, [desc.keys[i] for i, _ in read])
+            if confirm.done and confirm.error is None:
+                for i, replica in read:
+                    if replica in replicas_of(confirm.value.get(desc.keys[i])):
+                        codes[i] = replica.size
+        recovered = sum(1 for i in idx if codes[i] == desc.nbytes(i))
+        # Nothing to say where no key had a replica to try (a failed transfer with one
+        # replica, or an object of another size than its destination).
+        log.log(logging.WARNING if plan else logging.DEBUG,
+                "replica failover: %d of %d keys whose holder failed read from a live "
+                "replica in %.2f s", recovered, len(idx), time.monotonic() - t0)
+        return settled(late)
+
+    def _groups(self, desc: Descriptors, items: list) -> list[list]:
+        """``items`` ((key index, replica) for one holder) in groups of at most
+        ``limits.call_spans`` spans."""
+        groups, group, spans = [], [], 0
+        for item in items:
+            n = len(desc.ptrs[item[0]])
+            if group and spans + n > self.limits.call_spans:
+                groups.append(group)
+                group, spans = [], 0
+            group.append(item)
+            spans += n
+        if group:
+            groups.append(group)
+        return groups

@@ -1,30 +1,10 @@
 """A thin wrapper of Mooncake's ``TransferEngine``: the one place kvmove makes one, for the
-direct path's writes into another process's pool (:mod:`kvmove.direct`) and the store's
-reads of a live replica (:mod:`kvmove.store.replica_reader`).
-
-- Settings come from the ``MOONCAKE_*`` variables (SGLang's names, the store's checks):
-  ``MOONCAKE_LOCAL_HOSTNAME`` (the address peers reach this process at), ``MOONCAKE_PROTOCOL``
-  (``tcp``, ``rdma``, ...), ``MOONCAKE_DEVICE`` (RDMA devices, e.g. ``mlx5_0,mlx5_1``) and
-  ``MOONCAKE_TE_META_DATA_SERVER`` (``P2PHANDSHAKE`` by default: no metadata server).
-- Mooncake's own log is quiet (``MC_LOG_LEVEL=ERROR``) and a write to a peer that stopped
-  answering gives up after 5 s (``MC_TRANSFER_TIMEOUT=5``, the engine's minimum; Mooncake's
-  default is 30 s), unless the user set those variables. Both are read when an engine is
-  made, so they are set around that moment only and restored after it.
-- Nothing reaches the engine before ``initialize`` succeeded (Mooncake 0.3.13 crashes the
-  process on ``get_rpc_port`` or ``register_memory`` before it) or after :meth:`close`.
-- :meth:`Engine.close` unregisters what was registered and drops the engine: its destructor
-  stops incoming writes and ends every write it was still making (Mooncake's only cancel:
-  a failed write goes on reading its source until then). It holds the GIL for 0.1-1 s.
-
-Under ``P2PHANDSHAKE`` the engine listens on every interface (``0.0.0.0`` and ``[::]``),
-whatever host name it is given, on two ports of ``MC_MIN_RPC_PORT..MC_MAX_RPC_PORT``
-(15000-17000 by default); a peer names it ``host:rpc_port``. With a metadata server an
-engine's name is its key there, and a second engine of the same name is refused (HTTP
-metadata server: "Duplicate rpc_meta key"): every engine kvmove makes beside others (a
-sender's, one per receiver; a receiver's; the store's replica reader, beside the store's
-own client) takes a name of its own, ``host:port`` with a free port
-(:meth:`TransportSettings.named_apart`).
-"""
+direct path's writes into another process's pool (:mod:`kvmove.direct`) and the store's reads
+of a live replica (:mod:`kvmove.store.replica_reader`). Settings come from the ``MOONCAKE_*``
+variables; Mooncake's log is quiet and a write to a silent peer times out after 5 s unless the
+user set ``MC_LOG_LEVEL`` / ``MC_TRANSFER_TIMEOUT``. Nothing reaches the engine before
+``initialize`` succeeded or after :meth:`Engine.close`; every engine made beside others takes
+a name of its own (:meth:`TransportSettings.named_apart`)."""
 
 from __future__ import annotations
 

@@ -1,40 +1,10 @@
 """What one Mooncake client can have in flight, per protocol: the one place kvmove keeps the
-transport's limits. The store cuts every batch by them (:class:`kvmove.MooncakeStore`), and
-the direct path's Transfer Engine calls can too (the same TCP transport).
-
-TCP (Mooncake 0.3.13.post1, loopback, separate processes; measured):
-
-- The limit is the number of transfer requests in flight per (client, peer), not bytes: the
-  transport keeps per peer a queue of ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` requests (1024
-  by default) plus ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` admissions (1024). Every span
-  of a multi-buffer object is one request (a DSA page of 61 layers is 61). Past ~2048
-  requests to one peer a call answers ``-800`` for some keys, or hangs for Mooncake's 60 s
-  cap and leaves the client broken towards that peer. Bytes do not matter: 512 one-span
-  objects of 640 KB (312 MB) pass in one call.
-- The two variables are read by each client's ``setup()`` (a client set up after they are
-  changed uses the new values; 65535 is their maximum). :func:`prepare_environment` sets
-  both to 65535 unless the user set them. Then 128 pages x 61 spans pass in one call, 8
-  concurrent calls of 2013 spans each with two replicas pass, and a call of 2048 spans of
-  10 KB takes ~0.3 s (put, two replicas) / ~0.12 s (get) on loopback.
-  One call of 8192 spans of 10 KB: put (two replicas) 1.28 s, get 0.56 s.
-- Limits used: with a queue of ``Q`` (the first variable's value), at most ``min(Q, 8192)``
-  spans in flight per client (all its calls together) and as many in one call. With the
-  default queue that is 1024 and 1024 (a put of 16 DSA pages per call).
-- The calls of one put/get go one after the other. Side by side (4 calls of 2048 spans at a
-  time) they took 1.6-2x as long as one at a time (set / get of 256 one-token SGLang pages
-  x 61 layers, 15616 spans, into a holder over loopback TCP: 0.85 / 1.03 s against 0.54 /
-  0.50 s; one call of all the spans 0.58 / 0.51 s, SGLang's own backend 0.60 / 0.52 s):
-  Mooncake's transfer threads already work a call's spans in parallel. Only objects in the
-  client's own segment (a local memcpy on the calling thread) gained from side by side
-  calls (1.1-1.25x for 128 keys x 61 spans), which is why a call carries up to 8192 spans
-  rather than cutting a batch into many small sequential ones: a batch the engines' own
-  connectors send in one call (vLLM's 256 blocks x 32 spans, 96 blocks x 32 layers) is one
-  call here too. Calls of different puts/gets (the mover's workers) still run side by
-  side within the spans in flight.
-Other protocols (RDMA, ...) are not measured here: 1024 spans per call and 4096 in flight,
-the TCP default's order of magnitude, until measured. ``StoreConfig.max_call_spans`` /
-``max_inflight_spans`` override the figures for any protocol.
-"""
+transport's limits. The store cuts every batch by them, and the direct path can too. Over
+TCP the limit is transfer requests (spans) in flight per (client, peer), not bytes: with a
+queue of ``Q`` (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, raised to 65535 by
+:func:`prepare_environment` unless the user set it) at most ``min(Q, 8192)`` spans in flight
+per client and in one call. Other protocols: 1024 per call and 4096 in flight until
+measured; ``StoreConfig.max_call_spans`` / ``max_inflight_spans`` override."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from kvmove.cli import demo
-from kvmove.mover import kv_mover as mover_module
+from kvmove.mover import staged_path
 
 SMALL = ["--layers", "4", "--pages", "40", "--resident", "12", "--topk", "6", "--steps", "30",
          "--page-tokens", "4"]
@@ -25,8 +25,8 @@ def test_demo_command_verifies_and_exits_0():
 
 def test_demo_fails_when_prefetched_bytes_are_wrong(monkeypatch, capsys):
     # A scatter that writes nothing leaves the scribbled rows: verification must catch it.
-    real_copy = mover_module.run_pages
-    monkeypatch.setattr(mover_module, "run_pages", lambda prepared, *a: None
+    real_copy = staged_path.run_pages
+    monkeypatch.setattr(staged_path, "run_pages", lambda prepared, *a: None
                         if prepared.direction == "scatter" else real_copy(prepared, *a))
     assert demo.main([*SMALL, "--path", "staged"]) == 1
     out = capsys.readouterr().out

@@ -184,7 +184,7 @@ def test_a_page_reported_failed_is_not_written_afterwards(monkeypatch, pool, kv,
     tx = sender(kv)
     if how == "overran_the_call_timeout":
         # Mooncake overran its own timeout (it cannot, by the check at construction, unless
-        # starved): the watchdog gives up at 0.5 s, the bytes land at 1.5 s, then -1.
+        # starved): the watchdog times out at 0.5 s, the bytes land at 1.5 s, then -1.
         slow_writes(monkeypatch, 1.5, rc=-1)
         tx._watchdog.timeout = 0.5
         code, lands = WRITE_TIMEOUT, 1.5

@@ -173,7 +173,7 @@ def test_a_prefetch_run_by_its_waiting_caller_keeps_the_engine_stream(layerwise,
                            path="staged")
     gate = threading.Event()
     ran_on = []
-    inner = mover._get_job
+    inner = mover._prefetch_path._get_job
 
     def recorded(*args):
         ran_on.append(threading.current_thread())
@@ -182,8 +182,8 @@ def test_a_prefetch_run_by_its_waiting_caller_keeps_the_engine_stream(layerwise,
     try:
         keys = keyspace(n)
         assert mover.evict(keys, src.to(CUDA)).wait(60) == [OK] * n
-        mover._get_job = recorded
-        mover._executor.submit(gate.wait, 60)  # the only worker is busy
+        mover._prefetch_path._get_job = recorded
+        mover._life.executor.submit(gate.wait, 60)  # the only worker is busy
         dst_on_device = dst.to(CUDA)  # uploaded before the busy spell
         torch.cuda.synchronize()
         with torch.cuda.stream(engine):

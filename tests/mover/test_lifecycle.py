@@ -387,9 +387,9 @@ def test_close_waits_for_work_on_a_callers_thread(store, keyspace, call, path):
     keys = keyspace(2)
     regions = set((mover._rows or mover.staging).regions())
     ran_at: list[float] = []
-    job = ("_put_in_place" if call == "evict" else
-           "_get_in_place" if path == "in_place" else "_get_job")
-    inner_job, inner_guard = getattr(mover, job), mover._inline_run
+    runner = mover._evict_path if call == "evict" else mover._prefetch_path
+    job = ("_put" if call == "evict" else "_get" if path == "in_place" else "_get_job")
+    inner_job, inner_guard = getattr(runner, job), mover._life.inline_run
 
     def timed(*args):
         time.sleep(0.3)  # a run close() did not wait for would end well after it returned
@@ -408,14 +408,14 @@ def test_close_waits_for_work_on_a_callers_thread(store, keyspace, call, path):
     out: dict = {}
     if call == "prefetch":
         assert mover.evict(keys[:1], pages(0, 1)).wait(30) == [Status.OK]
-        mover._executor.submit(gate.wait)  # the only worker is busy: wait() runs the job
-        setattr(mover, job, timed)
-        mover._inline_run = paused_guard
+        mover._life.executor.submit(gate.wait)  # the only worker is busy: wait() runs it
+        setattr(runner, job, timed)
+        mover._life.inline_run = paused_guard
         t = mover.prefetch(keys[:1], torch.tensor([[8, 9, -1, 11]]))
         caller = threading.Thread(target=lambda: out.setdefault("st", t.wait()))  # unbounded
     else:
-        setattr(mover, job, timed)
-        mover._inline_run = paused_guard
+        setattr(runner, job, timed)
+        mover._life.inline_run = paused_guard
 
         def evict():
             try:
@@ -445,15 +445,15 @@ def _busy_worker_and_job_threads(mover):
     """Occupy the mover's only worker until the returned event is set; record on which
     thread each staged prefetch job runs (the list returned)."""
     ran_on: list[threading.Thread] = []
-    inner = mover._get_job
+    inner = mover._prefetch_path._get_job
 
     def recorded(*args):
         ran_on.append(threading.current_thread())
         return inner(*args)
 
-    mover._get_job = recorded
+    mover._prefetch_path._get_job = recorded
     gate = threading.Event()
-    mover._executor.submit(gate.wait, 30)
+    mover._life.executor.submit(gate.wait, 30)
     return gate, ran_on
 
 
@@ -606,7 +606,7 @@ def test_a_bounded_wait_never_runs_a_queued_prefetch_itself(store, keyspace, how
     assert mover.evict(keys, pages(0, 1)).wait() == [Status.OK]
     gate = threading.Event()
     try:
-        mover._executor.submit(gate.wait, 30)  # the only worker is busy: the job stays queued
+        mover._life.executor.submit(gate.wait, 30)  # the only worker is busy: it stays queued
         t = mover.prefetch(keys, pages(8, 1), layerwise=layerwise)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):

@@ -12,6 +12,7 @@ import torch
 
 import kvmove
 from kvmove.mover import kv_mover as mover_module
+from kvmove.mover import staged_path
 from kvmove.status import BAD_ROWS, STAGING_TIMEOUT
 from tests.support.caches import GEOMETRIES, snapshot, write_random
 from tests.support.threads import run_threads
@@ -109,6 +110,31 @@ def test_partial_pages_round_trip_with_valid_tokens(make_mover, keyspace):
         assert torch.equal(kv.layer("kv", layer)[14:16], before["kv"][layer][14:16])
 
 
+class PlainPendingPut:
+    """A begun put that asks the master nothing early: its put is the store's plain put
+    (the exists check inside it), looked up when it is made."""
+
+    def __init__(self, store, options: dict):
+        self._store, self._options = store, options
+
+    def put(self, desc):
+        return self._store.put(desc, **self._options)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def plain_begin_put(store):
+    """A ``begin_put`` for ``store`` whose puts are plain puts."""
+    return lambda keys, **options: PlainPendingPut(store, options)
+
+
 @pytest.mark.parametrize("path", ["staged", "in_place"])
 @pytest.mark.parametrize("begin_put", [True, False], ids=["begin_put", "plain_put"])
 def test_second_evict_of_a_key_reports_exists_and_keeps_the_first_object(
@@ -120,8 +146,8 @@ def test_second_evict_of_a_key_reports_exists_and_keeps_the_first_object(
         real = mover.store.begin_put
         monkeypatch.setattr(mover.store, "begin_put",
                             lambda keys: begun.append(list(keys)) or real(keys))
-    else:  # a store without begin_put: its put checks
-        monkeypatch.setattr(mover.store, "begin_put", None)
+    else:  # a begin_put that only puts later: the put checks
+        monkeypatch.setattr(mover.store, "begin_put", plain_begin_put(mover.store))
     key = keyspace(1)
     first = [kv.layer("kv", layer)[0:4].clone() for layer in range(4)]
     assert mover.evict(key, torch.tensor([[0, 1, 2, 3]])).wait(30) == [kvmove.Status.OK]
@@ -173,17 +199,17 @@ def test_a_layerwise_prefetch_places_each_group_of_layers_before_the_next(
     src = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
     want = snapshot(kv)
     assert mover.evict(keys, src).wait(30) == [kvmove.Status.OK] * 2
-    copy, _ = mover._scatter_groups[held]
+    copy, _ = mover._copies.scatter_groups[held]
     first = mover_module.layer_groups(5)[held][0]
     release = threading.Event()
-    real_copy = mover_module.run_pages
+    real_copy = staged_path.run_pages
 
     def slow_copy(prepared, *args):
         if prepared is copy:
             assert release.wait(30)
         return real_copy(prepared, *args)
 
-    monkeypatch.setattr(mover_module, "run_pages", slow_copy)
+    monkeypatch.setattr(staged_path, "run_pages", slow_copy)
     t = mover.prefetch(keys, torch.tensor([[16, 17, 18, 19], [20, 21, 22, 23]]),
                        layerwise=True)
     t.wait_layer(first - 1, timeout=30)
@@ -275,13 +301,13 @@ def test_an_evict_that_must_not_wait_for_staging_raises_at_once(make_mover, keys
         kvmove.Status.OK]  # the default waits for the slots freed meanwhile
     # Three keys in pieces of two: the second piece finds the first's slots still held
     # (its put takes a while).
-    put_job = mover._put_job
+    put_job = mover._evict_path._put_job
 
     def slow_put(*args):
         time.sleep(0.5)
         return put_job(*args)
 
-    monkeypatch.setattr(mover, "_put_job", slow_put)
+    monkeypatch.setattr(mover._evict_path, "_put_job", slow_put)
     t = mover.evict(keyspace(3, "pieces"), torch.arange(12).reshape(3, 4),
                     wait_for_staging=False)
     result = t.result(30)
@@ -337,7 +363,8 @@ def test_a_later_piece_without_slots_fails_its_keys_and_keeps_the_rows(make_move
         return real_put(desc)
 
     monkeypatch.setattr(mover.store, "put", stalled_put)
-    monkeypatch.setattr(mover.store, "begin_put", None)  # the mover's puts go through put
+    # the mover's puts go through put
+    monkeypatch.setattr(mover.store, "begin_put", plain_begin_put(mover.store))
     try:
         t = mover.evict(keyspace(3), torch.arange(12).reshape(3, 4))
     finally:
@@ -411,14 +438,14 @@ def test_scattered_marks_the_end_of_a_prefetch_on_the_cpu(make_mover, keyspace, 
     assert mover.evict(keys, torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])).wait(30) == [
         kvmove.Status.OK] * 2
     release = threading.Event()
-    real_copy = mover_module.run_pages
+    real_copy = staged_path.run_pages
 
     def slow_copy(prepared, *args):
         if prepared.direction == "scatter":
             assert release.wait(30)
         return real_copy(prepared, *args)
 
-    monkeypatch.setattr(mover_module, "run_pages", slow_copy)
+    monkeypatch.setattr(staged_path, "run_pages", slow_copy)
     t = mover.prefetch(keys, torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]]))
     assert not t.scattered.query()
     release.set()

@@ -105,7 +105,7 @@ def test_wait_layer_raises_what_the_prefetch_raised(store, keyspace, monkeypatch
         def broken_scatter(*args, **kwargs):
             raise RuntimeError("scatter failed")
 
-        monkeypatch.setattr(mover, "_scatter", broken_scatter)
+        monkeypatch.setattr(mover._prefetch_path, "_scatter", broken_scatter)
         t = mover.prefetch(keys, pages(8, 2), layerwise=True)
         with pytest.raises(RuntimeError, match="scatter failed"):
             t.wait_layer(0, timeout=30)

@@ -32,7 +32,7 @@ def bounded_store():
 @pytest.fixture
 def slow_store(bounded_store):
     """``bounded_store`` with a :class:`SlowClient` client for one test (the real one after)."""
-    real = bounded_store._client
+    real = bounded_store.raw_client
     yield bounded_store, swap_client(bounded_store, SlowClient)
     swap_client(bounded_store, lambda _wrapper: real)
 
@@ -58,7 +58,7 @@ def handed(monkeypatch) -> list:
     background work)."""
     runner, calls = default_runner(), []
     submit = runner.submit
-    store_calls = {"_check_then_put", CHECK, PUT}
+    store_calls = {"_check_and_put", CHECK, PUT}
 
     def counting(fn, *args):
         if getattr(fn, "__name__", "") in store_calls:
@@ -105,13 +105,13 @@ def test_a_check_given_up_starts_no_put_even_when_it_returns(slow_store, keyspac
     assert list(result) == [Status.FAILED] * 2 and result.codes == [CALL_TIMEOUT] * 2
     assert 0.9 < took < 1.8, took
     assert result.late is None  # no data call was given up: the rows are free
-    assert s._budgets[id(client)].in_flight == 0  # a check holds no spans of the put
+    assert s._clients.budgets[id(client)].in_flight == 0  # a check holds no spans of the put
     _wait(lambda: CHECK in client.returned)
     time.sleep(0.2)  # where a put would have started after the late check
     assert client.names() == [CHECK]
     client.delay.clear()
     assert s.exists(keys) == [False, False]
-    assert s._client is client  # a check given up does not replace the client
+    assert s.raw_client is client  # a check given up does not replace the client
 
 
 def test_a_put_is_bounded_from_its_own_start(slow_store, keyspace):
@@ -144,14 +144,14 @@ def test_a_put_given_up_is_late_and_reports_what_it_stored(replaced_store, keysp
     # A data call given up: the client is replaced. (Whether the keys are still there is
     # not asked: the retired wrapper does not look like the segment's client to the store,
     # which closes it, and the segment with it.)
-    _wait(lambda: s._client is not client)
+    _wait(lambda: s.raw_client is not client)
 
 
 def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace, handed):
     s, client = slow_store
     staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=45)
     keys = keyspace(2)
-    budget = s._budgets[id(s._client)]
+    budget = s._clients.budgets[id(s.raw_client)]
     taken = budget.acquire(budget.limit, 1.0)  # another call's spans fill the queue
     out: list = []
     putter = threading.Thread(
@@ -164,7 +164,7 @@ def test_a_put_without_room_for_its_spans_waits_for_it(slow_store, keyspace, han
     assert list(out[0]) == [Status.OK] * 2
     # The check's call did not wait for room (holding the runner, outside the check's
     # bound): the put was a call of its own.
-    assert [fn.__name__ for fn in handed] == ["_check_then_put", PUT]
+    assert [fn.__name__ for fn in handed] == ["_check_and_put", PUT]
     assert s.get(kvmove.describe(staging, [2, 3], keys)).all_ok
     assert canonical(staging, 3, PAGE) == canonical(staging, 1, PAGE)
 
@@ -175,7 +175,7 @@ def test_a_check_that_raises_still_puts_and_a_put_that_raises_fails(slow_store, 
     s, client = slow_store
     staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=46)
     keys = keyspace(4)
-    budget = s._budgets[id(client)]
+    budget = s._clients.budgets[id(client)]
     client.fail.add(CHECK)
     result = s.put(kvmove.describe(staging, range(2), keys[:2]))
     assert list(result) == [Status.OK] * 2 and client.names() == [CHECK, PUT]

@@ -116,7 +116,7 @@ def test_a_replaced_client_is_closed_only_after_the_batch_using_it_ends(
                 assert go.wait(30)
             return codes
 
-        real_finish = s._finish_retired
+        real_finish = s._clients.finish_retired
 
         def finish(retired):
             finished.append((retired.client, len(chunks)))
@@ -126,7 +126,7 @@ def test_a_replaced_client_is_closed_only_after_the_batch_using_it_ends(
                 real_finish(retired)
 
         monkeypatch.setattr(s, f"_{op}_chunk", chunk)
-        monkeypatch.setattr(s, "_finish_retired", finish)
+        monkeypatch.setattr(s._clients, "finish_retired", finish)
         out: list = []
         batch = threading.Thread(target=lambda: out.append(getattr(s, op)(desc)))
         batch.start()

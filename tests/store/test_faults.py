@@ -4,8 +4,8 @@ mocked; faults are real: a SIGKILLed master, a full segment, objects of another 
 - the master killed in the middle of a batch of puts and of gets run by a KVMover: every key
   gets a status (``OK`` before the kill, ``FAILED`` after), the KV rows of failed keys are
   untouched, the staging pool is full again; then a master restarted on the same address and
-  the documented recovery (README: keep the store and the mover, Mooncake's client
-  reconnects by itself), ending with no leaked thread, process or registration;
+  the documented recovery (docs/API.md, "The store": keep the store and the mover,
+  Mooncake's client reconnects by itself), ending with no leaked thread, process or registration;
 - a full store: ``NO_SPACE`` per key, nothing stored is overwritten or lost, puts succeed
   again after ``remove``;
 - gets of objects of another geometry: ``SIZE_MISMATCH``, no byte scattered.

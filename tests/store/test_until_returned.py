@@ -100,7 +100,7 @@ def test_a_get_past_the_bound_is_given_up_then_and_returns_when_mooncake_does(
     keys = keyspace(2)
     assert s.put(kvmove.describe(staging, range(2), keys)).all_ok
     client.delay[GET] = 4 * BOUND
-    caplog.set_level(logging.WARNING, logger="kvmove.store.mooncake_store")
+    caplog.set_level(logging.WARNING, logger="kvmove.store")
     t0 = time.time()
     result = s.get(kvmove.describe(staging, [2, 3], keys), until_returned=True)
     took = time.time() - t0
@@ -113,7 +113,7 @@ def test_a_get_past_the_bound_is_given_up_then_and_returns_when_mooncake_does(
     # A data call given up: the client is replaced. (What the store holds afterwards is
     # not asked: the retired wrapper's segment goes with it, see test_check_then_put.py.)
     deadline = time.monotonic() + 10
-    while s._client is client:
+    while s.raw_client is client:
         assert time.monotonic() < deadline, "the client was not replaced"
         time.sleep(0.02)
 
@@ -122,7 +122,7 @@ def test_a_put_past_the_bound_reports_what_it_stored(slow, keyspace, caplog):
     s, client = slow
     staging = make_staging(GEOMETRIES["mla"], num_slots=4, page_tokens=PAGE, seed=53)
     keys = keyspace(2)
-    caplog.set_level(logging.WARNING, logger="kvmove.store.mooncake_store")
+    caplog.set_level(logging.WARNING, logger="kvmove.store")
     client.delay[PUT] = 4 * BOUND
     t0 = time.time()
     result = s.put(kvmove.describe(staging, range(2), keys), detect_exists=False,
@@ -150,7 +150,7 @@ def test_a_check_past_the_bound_answers_then_and_puts_nothing(slow, keyspace):
     assert list(result) == [Status.FAILED] * 2 and result.codes == [CALL_TIMEOUT] * 2
     time.sleep(4 * BOUND)  # the check returns meanwhile
     assert client.names() == [CHECK]  # no put followed
-    assert s._client is client  # a check moves no data: its client stays
+    assert s.raw_client is client  # a check moves no data: its client stays
     client.delay.clear()
     assert s.exists(keys) == [False, False]
 

@@ -60,7 +60,7 @@ class FakeCuda:
     stream name), ``"copy"`` (stream name, "gather" or "scatter")."""
 
     def __init__(self, monkeypatch, mover):
-        import kvmove.mover.kv_mover as mover_module
+        import kvmove.mover.staged_path as staged_path
 
         self.log: list[tuple] = []
         self._lock = threading.Lock()
@@ -70,21 +70,22 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "stream", self._stream_context)
         monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(self, **kw))
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current())
-        monkeypatch.setattr(mover, "_evict_stream", FakeStream(self, "evict"))
-        monkeypatch.setattr(mover, "_prefetch_stream", FakeStream(self, "prefetch"))
-        take = mover._take_call
+        # each direction's path runs its copies on its stream
+        monkeypatch.setattr(mover._evict_path, "_stream", FakeStream(self, "evict"))
+        monkeypatch.setattr(mover._prefetch_path, "_stream", FakeStream(self, "prefetch"))
+        take = mover._requests.take
 
-        def take_call(*args, **kwargs):
-            call = take(*args, **kwargs)
-            call.ordered = FakeEvent(self)
-            call.ordered.record(self.caller)
-            self.calls.append(call.ordered)
-            return call
+        def take_request(*args, **kwargs):
+            request = take(*args, **kwargs)
+            request.ordered = FakeEvent(self)
+            request.ordered.record(self.caller)
+            self.calls.append(request.ordered)
+            return request
 
-        monkeypatch.setattr(mover, "_take_call", take_call)
+        monkeypatch.setattr(mover._requests, "take", take_request)
         for name, kind in (("copy_pages", "gather"), ("run_pages", "scatter")):
-            monkeypatch.setattr(mover_module, name,
-                                self._logged(getattr(mover_module, name), kind))
+            monkeypatch.setattr(staged_path, name,
+                                self._logged(getattr(staged_path, name), kind))
 
     def current(self) -> FakeStream:
         return getattr(self._local, "stream", self.caller)

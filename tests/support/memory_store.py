@@ -29,7 +29,7 @@ from kvmove.status import (
     TRANSFER_FAIL,
     Status,
 )
-from kvmove.store.mooncake_store import StoreResult
+from kvmove.store.results import StoreResult
 
 
 class MemoryStore:

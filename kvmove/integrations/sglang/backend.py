@@ -6,13 +6,11 @@
       "class_name":"KVMoveStorage","interface_v1":1}'
 
 It stores exactly the objects and keys of SGLang's own Mooncake backend for the same storage
-config (:mod:`kvmove.integrations.sglang.keys`, :mod:`kvmove.integrations.sglang.pools`), so
-a fleet that mixes the two shares objects, and answers SGLang's calls zero-copy from the
-registered host pool: descriptors are built by :class:`kvmove.HostPool` (vectorised, no
-Python loop over pages or layers), puts and gets go through :class:`kvmove.MooncakeStore`
-(a get counts only when the object is exactly the page's size). MLA ``layer_first`` pages,
-one span per layer in place, move through staging as one span per object where that is
-faster (:mod:`kvmove.integrations.sglang.staged`).
+config, so a fleet that mixes the two shares objects, and answers SGLang's calls zero-copy
+from the registered host pool (:class:`kvmove.HostPool` descriptors, a get counting only
+when the object is exactly the page's size). MLA ``layer_first`` pages move through
+staging where that is faster (:mod:`kvmove.integrations.sglang.staged`). See
+``docs/API.md``, "SGLang".
 
 SGLang is imported here only: importing :mod:`kvmove` never imports it.
 """
@@ -21,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +37,9 @@ from kvmove.integrations.sglang.staged import StagedPages, settings
 from kvmove.integrations.sglang.store_config import store_config_for
 from kvmove.memory.host_memory import HostMemory
 from kvmove.objects.descriptors import concat, describe_trusted
+
+if TYPE_CHECKING:
+    from kvmove.store.protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class KVMoveStorage(HiCacheStorage):
                                                            None))
         self.keys = SGLangKeys(storage_config)
         self.is_mla = self.keys.is_mla
-        self.store = kvmove.MooncakeStore(store_config_for(storage_config))
+        self.store: Store = kvmove.MooncakeStore(store_config_for(storage_config))
         self.mem_pool_host = None
         self.kv: PoolView | None = None
         self.staged: StagedPages | None = None  # a layer_first MLA pool's staged path
@@ -157,16 +158,16 @@ class KVMoveStorage(HiCacheStorage):
 
     @staticmethod
     def _let_go(result):
-        """Answer SGLang only once Mooncake has let go of the host pages. The store gives a
-        stuck call up at its bound (its keys ``FAILED``), but Mooncake may still write into
-        (get) or read from (put) their memory until the call really returns, and SGLang
-        frees or reuses the pages as soon as this call answers: so a call given up is
-        waited for here (Mooncake's own cap is 60 s). SGLang's storage calls run on its
-        background I/O threads; its scheduler does not wait for them."""
+        """Answer SGLang only once Mooncake has released the host pages. A store call that
+        timed out at its bound (its keys ``FAILED``) may still be in flight in Mooncake,
+        writing into (get) or reading from (put) their memory, and SGLang frees or reuses
+        the pages as soon as this call answers: so it is waited for here (Mooncake's own
+        cap is 60 s). SGLang's storage calls run on its background I/O threads; its
+        scheduler does not wait for them."""
         late = getattr(result, "late", None)
         if late is not None and not late.done():
-            log.warning("kvmove SGLang backend: a store call was given up; waiting for "
-                        "Mooncake to let go of the host pages before answering (pages read "
+            log.warning("kvmove SGLang backend: a store call timed out; waiting for "
+                        "Mooncake to release the host pages before answering (pages read "
                         "as not stored)")
             try:
                 late.result(timeout=_LET_GO_S)

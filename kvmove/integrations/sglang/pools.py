@@ -1,23 +1,11 @@
-"""kvmove's view of SGLang's host pools: which (pool, layout) combinations it serves, and the
-:class:`kvmove.HostPool` of each object a page is stored as.
-
-Served (the objects SGLang's own Mooncake backend stores):
-
-- MLA (``MLATokenToKVPoolHost.kv_buffer``): ``layer_first`` ``[L, size, 1, dim]`` (one span
-  per layer), ``page_first`` ``[size, L, 1, dim]`` and ``page_first_direct`` ``[pages, L,
-  page, 1, dim]`` (one span per page); one object per page.
-- MHA (``MHATokenToKVPoolHost.kv_buffer``, ``[2, ...]``): ``page_first`` and
-  ``page_first_direct``; two objects per page, k then v. (SGLang's Mooncake backend refuses
-  MHA ``layer_first`` too: its k and v spans of a page are interleaved per layer.)
-- MHA with K and V of different head dims (``AsymmetricMHATokenToKVPoolHost``, e.g.
-  MiMo-V2: ``kv_buffer`` is a pair ``(k_buffer, v_buffer)``, ``[size, L, heads, head_dim]``
-  and ``[size, L, heads, v_head_dim]`` in ``page_first``, ``[pages, L, page, heads, dim]``
-  in ``page_first_direct``, the only layouts SGLang allocates for it): the same two objects
-  per page, each one contiguous span of its own buffer, as its ``get_page_buffer_meta``.
-- the DSA indexer side pool (``DSAIndexerPoolHost.index_k_with_scale_buffer``, ``[pages, L,
-  1, page_bytes]``): ``page_first`` and ``page_first_direct``; one object per page.
-
-Anything else raises ``ValueError`` naming the combination, when the pool is registered.
+"""kvmove's view of SGLang's host pools: which (pool, layout) combinations it serves (the
+objects SGLang's own Mooncake backend stores), and the :class:`kvmove.HostPool` of each:
+MLA ``kv_buffer`` in ``layer_first`` ``[L, size, 1, dim]``, ``page_first`` ``[size, L, 1,
+dim]`` or ``page_first_direct`` ``[pages, L, page, 1, dim]``, one object per page; MHA
+``[2, ...]`` and asymmetric MHA (a ``(k_buffer, v_buffer)`` pair) in ``page_first`` or
+``page_first_direct``, two objects per page, k then v (MHA ``layer_first`` interleaves them
+per layer: refused, as SGLang does); the DSA indexer pool ``[pages, L, 1, page_bytes]``,
+one object per page. Anything else is a ``ValueError`` naming it, when the pool registers.
 """
 
 from __future__ import annotations

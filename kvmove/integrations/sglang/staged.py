@@ -1,31 +1,11 @@
-"""The staged path of SGLang's MLA ``layer_first`` host pools.
-
-SGLang's object of a ``layer_first`` MLA page is one span per layer (``page_size`` token rows
-of that layer, ``[layer][token]``). Read and written in place, a page of few tokens is many
-small spans, and Mooncake's cost is per span: 512 one-token pages of 61 layers move at 0.10
-GB/s over loopback TCP, where the same bytes as one span per page (``page_first``) move at
-about 2 GB/s (``bench/bench_sglang.py``). Staged, the page's rows are first gathered into a
-host staging slot that holds the object contiguously, in the same byte order, and the store
-reads (or writes) one span per object.
-
-A :class:`kvmove.KVMover` does it. Each SGLang page of each layer is one row of the mover's
-cache (``page_size`` tokens of ``kv_cache_dim`` elements: a page's tokens are consecutive in
-a ``layer_first`` pool), its pages are one row, and its staging is ``page_first``: slot by
-slot, every layer's row side by side, which for one-row pages is ``[layer][token]``: SGLang's
-object, byte for byte, under SGLang's own keys (``raw_keys``).
-
-Which path each direction takes is chosen as a mover's ``path`` is
-(:mod:`kvmove.mover.path_choice`): ``"auto"`` (default) times a few scratch pages both ways
-through the store when the pool is registered (or takes what an earlier probe of the same
-geometry and transport recorded), ``"staged"`` or ``"in_place"`` as named. Set with
-``extra_config`` key ``kvmove_path`` or the environment variable ``KVMOVE_SGLANG_PATH``;
-the staging's size with ``kvmove_staging_bytes`` / ``KVMOVE_SGLANG_STAGING_BYTES`` (default
-256 MiB of host memory, registered with the store; a call of more pages than it holds runs
-in pieces).
-
-A staged put reads the pool's rows before it returns to the caller, and a staged get writes
-only the pages whose object was read whole and of the page's size: a call the store gives up
-never touches the pool afterwards (its staging slots are held until Mooncake returns).
+"""The staged path of SGLang's MLA ``layer_first`` host pools: a :class:`kvmove.KVMover`
+whose cache row is one SGLang page of one layer and whose staging is ``page_first``, so a
+staging slot holds SGLang's object contiguously, byte for byte, under SGLang's own keys.
+Each direction's path is chosen as a mover's ``path`` is (:mod:`kvmove.mover.path_choice`):
+``extra_config`` ``kvmove_path`` / ``KVMOVE_SGLANG_PATH``; the staging's size
+``kvmove_staging_bytes`` / ``KVMOVE_SGLANG_STAGING_BYTES`` (default 256 MiB). A staged put
+reads the pool's rows before it returns, and a staged get writes only pages read whole: a
+store call that timed out never touches the pool afterwards. See ``docs/API.md``, "SGLang".
 """
 
 from __future__ import annotations
@@ -33,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +23,9 @@ from kvmove.errors import StagingFull
 from kvmove.mover.path_choice import PATHS, PathChoice, check_path, probe, resolve
 from kvmove.store.config import parse_size
 
+if TYPE_CHECKING:
+    from kvmove.store.protocol import Store
+
 log = logging.getLogger(__name__)
 
 PATH_KEY, PATH_VAR = "kvmove_path", "KVMOVE_SGLANG_PATH"
@@ -49,7 +33,11 @@ STAGING_KEY, STAGING_VAR = "kvmove_staging_bytes", "KVMOVE_SGLANG_STAGING_BYTES"
 DEFAULT_STAGING_BYTES = 256 << 20
 # The auto probe's scratch pages: as many as fit this many bytes (4 to 32 pages).
 PROBE_BYTES = 64 << 20
-LAYOUT = "page_first"  # of the mover's staging: one-row pages, every layer side by side
+# Of the mover's staging: one-row pages, every layer side by side. In place, a page of few
+# tokens is one small span per layer and Mooncake's cost is per span: 512 one-token pages of
+# 61 layers move at 0.10 GB/s over loopback TCP, the same bytes as one span per page at
+# about 2 GB/s (bench/bench_sglang.py).
+LAYOUT = "page_first"
 # Under auto a direction goes staged only where the probe found it this much faster: in
 # place is what SGLang's own backend does and needs no staging memory, and a near tie flips
 # with the machine's noise (measured: a probe that found staged gets 3 % faster at 16-token
@@ -105,12 +93,13 @@ class StagedPages:
     directions where the path choice (:attr:`choice`) is ``"staged"``; the caller moves the
     others in place."""
 
-    def __init__(self, kv_buffer: torch.Tensor, page_size: int, store, *, path: str = "auto",
+    def __init__(self, kv_buffer: torch.Tensor, page_size: int, store: Store, *,
+                 path: str = "auto",
                  staging_bytes: int = DEFAULT_STAGING_BYTES):
         check_path(path)
         self.cache = page_rows(kv_buffer, page_size)
         self.object_bytes = self.cache.row_bytes("kv") * self.cache.num_layers("kv")
-        self.store = store
+        self.store: Store = store
         self.choice: PathChoice
         # (a probe that fails leaves the pages in place, as SGLang's own backend moves them)
         choice = resolve(path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
@@ -150,7 +139,8 @@ class StagedPages:
         """Store page ``pages[i]`` under object key ``keys[i]`` (``put=True``), or read the
         object into it; one status per key. A get leaves the rows of a key that is not
         ``OK`` untouched. Staging that stays full for the mover's ``alloc_timeout`` (slots
-        held by store calls given up) fails the call's keys, as a failed store call would."""
+        held by store calls that timed out) fails the call's keys, as a failed store call
+        would."""
         page_array = _page_array(pages)
         if not put:
             transfer = self.mover.prefetch(keys, page_array)

@@ -1,31 +1,11 @@
 """Where kvmove's SGLang backend finds its Mooncake store: the same sources, names and
-defaults as SGLang's own Mooncake backend.
-
-1. ``extra_config`` (``--hicache-storage-backend-extra-config``) with
-   ``master_server_address`` (or ``client_server_address``, refused below): the keys SGLang's
-   backend reads there (``protocol``, ``device_name``, ``metadata_server``,
-   ``global_segment_size``, ``local_hostname``, ``tenant_id``);
-2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` (the same keys);
-3. else the ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER``, ``MOONCAKE_PROTOCOL``,
-   ``MOONCAKE_DEVICE``, ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``,
-   ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_TENANT_ID``).
-
-SGLang's defaults apply where a value is not given: protocol ``rdma``, metadata server
-``P2PHANDSHAKE``, a 4 GB global segment, local hostname ``localhost``. As in SGLang, the
-global segment is shared by the ranks of one node: each rank contributes ``size / (tp_size *
-pp_size)``; the local hostname is ``MOONCAKE_LOCAL_HOSTNAME``, else ``LOCAL_HOSTNAME``, else
-the configured one, whatever the source (one extra_config serves every node); a device list
-given as a JSON object ``{tp_rank: devices}`` gives each rank its own entry (``""`` when the
-rank has none or the JSON is malformed).
-
-The Mooncake tenant is SGLang's (``_normalize_tenant_id``): the source's ``tenant_id`` (the
-extra_config or file key; ``MOONCAKE_TENANT_ID`` only in the environment source, as SGLang
-reads that variable there alone), as a string, stripped; missing, ``None`` or blank is
-``"default"``.
-
-Standalone storage (``client_server_address`` / ``standalone_storage``, ``MOONCAKE_CLIENT`` /
-``MOONCAKE_STANDALONE_STORAGE``: a separate ``mooncake_client`` serves the node) is refused
-with a ``ValueError`` naming the setting.
+defaults as SGLang's own Mooncake backend. First ``extra_config`` (with
+``master_server_address``), else the JSON file named by
+``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, else the ``MOONCAKE_*`` variables; SGLang's
+defaults (``rdma``, ``P2PHANDSHAKE``, a 4 GB segment shared by the node's ``tp_size *
+pp_size`` ranks, ``localhost``), its local-hostname order, per-rank device map and tenant
+rule. Standalone storage (a separate ``mooncake_client``) is a ``ValueError`` naming the
+setting. See ``docs/API.md``, "SGLang".
 """
 
 from __future__ import annotations
@@ -120,7 +100,9 @@ def _from_mapping(values: Mapping, where: str, environ: Mapping[str, str],
 
 
 def store_config_for(storage_config, environ: Mapping[str, str] | None = None) -> StoreConfig:
-    """The :class:`kvmove.StoreConfig` for SGLang's ``HiCacheStorageConfig``."""
+    """The :class:`kvmove.StoreConfig` for SGLang's ``HiCacheStorageConfig``. The tenant is
+    the source's ``tenant_id`` (``MOONCAKE_TENANT_ID`` only in the environment source, as
+    SGLang reads it there alone)."""
     env = os.environ if environ is None else environ
     extra = getattr(storage_config, "extra_config", None) or {}
     if any(extra.get(key) is not None for key in ("master_server_address",

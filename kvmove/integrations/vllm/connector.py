@@ -5,27 +5,11 @@ Load it by module path::
     --kv-transfer-config '{"kv_connector":"KVMoveConnector",
         "kv_connector_module_path":"kvmove.integrations.vllm","kv_role":"kv_both"}'
 
-One vLLM block is one kvmove row (one page of one token): the KV cache is described as
-``kvmove.KVCache`` over vLLM's per-layer block regions (:mod:`.layout`), keys are vLLM's
-own (:mod:`.keys`), and a ``kvmove.KVMover`` with raw keys gathers + puts on save and gets
-+ scatters on load. ``kv_connector_extra_config`` accepts ``cache_prefix`` (as vLLM's),
-``load_async`` (default true, as vLLM's: a request with a store hit waits for its blocks
-while the engine steps on with the rest of the batch, and is scheduled once every worker
-has them; a block whose load failed is recomputed; false, and under pipeline parallelism:
-the load runs inside the step that schedules the request, and holds that step),
-``layerwise`` (with ``load_async`` false; default true: loads land layer by layer inside
-the forward; false: the whole load ends in ``start_load_kv``), ``staging_bytes`` (default
-1 GiB of staging) and ``path``
-(``"auto"``, default: saves and loads move the blocks in place, with no staging copy, where
-the store reaches vLLM's KV memory and that measures faster, as vLLM's own connector does;
-``"staged"``; ``"in_place"``). A save does not hold the engine's step: the scheduler side
-holds its blocks in vLLM's block pool until every worker reported its puts done.
-
-Lookups and saves follow vLLM's connector: under EAGLE-like speculative decoding a hit
-gives up its last block; a step that loads a request's blocks saves none of them; saves
-start at a request's first block and put only the keys the store lacks.
-
-vLLM is imported here only; ``import kvmove`` never imports it.
+One vLLM block is one kvmove row; keys are vLLM's own; a ``kvmove.KVMover`` with raw keys
+saves and loads. ``kv_connector_extra_config``: ``cache_prefix``, ``load_async``,
+``layerwise``, ``staging_bytes``, ``path``; see ``docs/API.md``, "vLLM". Lookups and saves
+follow vLLM's connector (:class:`~kvmove.integrations.vllm.scheduler.SchedulerSide`). vLLM
+is imported here only; ``import kvmove`` never imports it.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class ConnectorPlan:
     # own connector does (its load_async, default true). Off: a load ends in its step.
     load_async: bool
     path: str = "auto"  # KVMover's path: "auto" (measured per direction), "staged", "in_place"
-    # EAGLE-like speculative decoding: a store hit gives up its last block, as vLLM's prefix
+    # EAGLE-like speculative decoding: a store hit drops its last block, as vLLM's prefix
     # cache and its connector do (that block's draft KV was made with the next token)
     eagle_block_drop: bool = False
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,9 @@ import kvmove
 from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata, KVMoveWorkerMetadata
 from kvmove.integrations.vllm.plan import BlockTransfer, ConnectorPlan
 from kvmove.integrations.vllm.store_config import connector_store_config
+
+if TYPE_CHECKING:
+    from kvmove.store.protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -29,30 +32,23 @@ class _Request:
 
 class SchedulerSide:
     """The connector's scheduler side: one batched ``exists`` per request, loads and saves
-    scheduled in the step's metadata.
-
-    Saves follow vLLM's ``MooncakeStoreConnector``: a request's full blocks are scheduled
-    from its first block on, those vLLM's own prefix cache or a load supplied included (the
-    worker puts only the keys the store lacks), so a prefix block that left the store, or
-    whose load failed and was recomputed, is stored again; and a step that loads a request's
-    blocks saves none of its blocks (were that load to fail, the tokens computed in the step
-    over those blocks would be stored under good keys); its next step does.
-
-    A save of blocks that the request's lookup found in no namespace is marked
-    ``absent_at_lookup``: the worker puts them without asking the store first which exist
-    (one master request less per step; were one stored since, by another request with the
-    same prefix, its put ends OK and the stored object stays, unless that put is given up:
-    then the key is removed once the call returns, a later miss, see ``KVMover.evict``).
-
-    A step's saves are one job: once vLLM has bound its block pool (:meth:`bind_pool`), the
-    job holds a reference on each of its blocks until all ``workers`` reported it done
-    (:meth:`saves_done`), so a worker's save need not wait for its put and vLLM cannot
-    reuse a block the put still reads, even once its request has finished."""
+    scheduled in the step's metadata. Saves follow vLLM's ``MooncakeStoreConnector``: a
+    request's full blocks from its first block on (the worker puts only the keys the store
+    lacks), none in a step that loads the request's blocks. Blocks the lookup found nowhere
+    are marked ``absent_at_lookup`` and put without an ``exists`` first. A step's saves are
+    one job that holds a reference on each of its blocks (once :meth:`bind_pool` ran) until
+    all ``workers`` reported it done (:meth:`saves_done`): vLLM cannot reuse a block a put
+    still reads."""
+    # Were a load to fail, tokens computed in its step over those blocks would be stored
+    # under good keys: that step saves nothing, its next one does. An absent_at_lookup put
+    # of a key stored meanwhile (another request, same prefix) ends OK and the object stays,
+    # unless that put timed out: then the key is removed once the call returns (a later miss,
+    # see KVMover.evict).
 
     def __init__(self, plan: ConnectorPlan, workers: int = 1, hold_blocks: bool = True):
         self.plan = plan
         # The scheduler only asks what exists: it contributes no memory to the store.
-        self.store = kvmove.MooncakeStore(connector_store_config().replace(
+        self.store: Store = kvmove.MooncakeStore(connector_store_config().replace(
             global_segment_size=0))
         self._pending: dict[str, tuple[int, int]] = {}  # req -> (computed, hit) tokens
         self._absent: dict[str, tuple[int, int]] = {}  # req -> blocks its lookup did not find
@@ -85,7 +81,7 @@ class SchedulerSide:
         self._held[job] = (blocks, self.workers)
 
     def saves_done(self, worker_meta) -> None:
-        """Let go of the blocks of every save job all workers have reported done."""
+        """Release the blocks of every save job all workers have reported done."""
         if not isinstance(worker_meta, KVMoveWorkerMetadata):
             return
         for job, workers in worker_meta.done_saves.items():

@@ -6,6 +6,7 @@ get straight into the blocks), whichever path the mover measured faster."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,10 +18,13 @@ from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata, KVMoveWor
 from kvmove.integrations.vllm.plan import ConnectorPlan
 from kvmove.integrations.vllm.store_config import connector_store_config
 
+if TYPE_CHECKING:
+    from kvmove.store.protocol import Store
+
 log = logging.getLogger(__name__)
 
 
-def block_mover(views: list[torch.Tensor], store, *, staging_slots: int,
+def block_mover(views: list[torch.Tensor], store: Store, *, staging_slots: int,
                 path: str = "auto") -> kvmove.KVMover:
     """The connector's :class:`kvmove.KVMover` over vLLM's block regions ``views`` (uint8
     ``[num_blocks, block_len]`` each, :func:`.layout.block_regions`): one-token pages (a
@@ -74,7 +78,7 @@ class WorkerSide:
                                    pp_rank=(par.rank // par.tensor_parallel_size)
                                    % par.pipeline_parallel_size)
         self.key_prefix = plan.keys.prefix(self.ranks) + "@"
-        self.store = kvmove.MooncakeStore(connector_store_config())
+        self.store: Store = kvmove.MooncakeStore(connector_store_config())
         self.mover: kvmove.KVMover | None = None
         self.views: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -230,7 +234,7 @@ class WorkerSide:
         # vLLM's connector does (on a GPU, in the background): no query of its own on the
         # engine's thread first. Blocks the scheduler's lookup found in no namespace go
         # without that query (one master request less; Mooncake keeps an object stored
-        # since, and answers OK; a put given up removes it, see KVMover.evict).
+        # since, and answers OK; a put that timed out removes it, see KVMover.evict).
         keys, block_ids = list(first_block), list(first_block.values())
         pages = block_pages(block_ids)
         absent = all(t.absent_at_lookup for t in meta.saves)
@@ -243,7 +247,7 @@ class WorkerSide:
         except kvmove.StagingFull as e:
             log.warning("kvmove connector: %d block saves skipped: %s", len(keys), e)
             return None
-        # vLLM reuses the blocks once the scheduler let them go (after this job was reported
+        # vLLM reuses the blocks once the scheduler released them (after this job was reported
         # done); where it does not hold them, only after this: the gather (CUDA, staged) or
         # the put that reads them in place
         if meta.save_job is None:
@@ -253,7 +257,7 @@ class WorkerSide:
 
     def done_saves(self) -> KVMoveWorkerMetadata | None:
         """The save jobs whose transfer has ended since the last call (for vLLM's scheduler
-        side, which then lets go of their blocks), or None."""
+        side, which then releases their blocks), or None."""
         done, left = {}, []
         for job, transfer in self._save_jobs:
             if transfer is None or transfer.done():

@@ -1,18 +1,11 @@
 """The ring of the two-hop path: scratch rows beside one KV buffer, ``[L, capacity,
 row_bytes]`` on the KV's device, that the kernel fills at HBM speed and the copy engine
-drains (or the reverse). One ring per KV buffer, reused call after call.
-
-Its size is ``KVMOVE_RING_BYTES`` (default 256 MiB) over all layers of the buffer, and never
-more rows than the staging holds; a copy larger than the ring goes through it in chunks.
-The mover allocates its rings when it is built (:func:`prepare_rings`), before any copy,
-so the memory is taken up front and not in the middle of serving. A ring is never resized
-under a copy: :func:`ring_for` returns the ring as built, and replacing it with one of
-another capacity first waits for the old ring's last use to complete on the device.
-
-Uses are serialised: on CUDA a use waits (on the device) for the previous one, whatever
-stream either ran on, and the ring's memory is recorded as used by that stream, so the
-caching allocator does not hand it out again before that stream's work is done; on the CPU
-a lock orders them.
+drains (or the reverse). One ring per KV buffer, ``KVMOVE_RING_BYTES`` (default 256 MiB)
+over all its layers and never more rows than the staging holds; a larger copy goes through
+it in chunks. The mover allocates its rings when it is built (:func:`prepare_rings`); a ring
+is never resized under a copy (replacing it first waits for its last use on the device).
+Uses are serialised: on CUDA each waits on the device for the previous one, whatever
+stream either ran on; on the CPU a lock orders them.
 """
 
 from __future__ import annotations
@@ -89,6 +82,8 @@ class DeviceRing:
                 event = torch.cuda.Event(blocking=True)  # wait_idle sleeps on it, never spins
                 event.record(stream)
                 self._last_use = event
+                # so the caching allocator does not hand the ring's memory out again before
+                # this stream's work is done
                 self.tensor.record_stream(stream)
                 self._numbers.record_stream(stream)
 

@@ -1,20 +1,11 @@
-"""Copy-engine span copies: many ``(dst, src, nbytes)`` byte spans enqueued in one go.
-
-On CUDA the spans go to the copy engines on the current stream of the given device: one
-``cuMemcpyBatchAsync`` call per batch where the driver has it (CUDA >= 12.8), else one
-``cudaMemcpyAsync`` per span. A grid of spans (:func:`copy_span_grid`: the same spans
-repeated at a fixed pitch, e.g. once per layer) is one batch too, or without the batched
-call one ``cudaMemcpy2DAsync`` per span, covering every repeat.
-
-The batched call refuses the legacy default stream (torch's default): there it goes to the
-per-thread default stream instead, which the legacy stream orders against in both
-directions, so the copies still run after the work before them and before the work after
-them. Addresses are the ones the device uses (UVA addresses of pinned host memory); the
-direction of each copy follows from them (``cudaMemcpyDefault``). On the CPU each span is a
-``memmove``. Spans of one call must not overlap. The CUDA calls go through
-:mod:`kvmove.memory.cuda_api`; a batch the driver refuses is copied span by span, in that call only.
-
-``KVMOVE_COPY_BATCH=0`` turns the batched call off (per-span and 2-D copies only).
+"""Copy-engine span copies: many ``(dst, src, nbytes)`` byte spans enqueued in one go, on
+the current stream of the given device: one ``cuMemcpyBatchAsync`` per batch where the
+driver has it (CUDA >= 12.8), else one ``cudaMemcpyAsync`` per span; a grid of spans
+(:func:`copy_span_grid`, the same spans at a fixed pitch, e.g. per layer) is one batch, or
+one ``cudaMemcpy2DAsync`` per span. Addresses are the device's (UVA for pinned host
+memory); spans of one call must not overlap. On the CPU each span is a ``memmove``. A batch
+the driver refuses is copied span by span, in that call only; ``KVMOVE_COPY_BATCH=0`` turns
+the batched call off.
 """
 
 from __future__ import annotations
@@ -135,6 +126,9 @@ def copy_spans(dsts, srcs, sizes, *, device: torch.device, src_on_device: bool =
         if use_batch and copier.has_batch and len(dsts) > 1:
             here = (cuda_api.LOCATION_DEVICE, device.index or 0)
             there = (cuda_api.LOCATION_HOST, 0)
+            # The batched call refuses the legacy default stream (torch's default, 0): there
+            # it goes to the per-thread default stream, which the legacy stream orders
+            # against both ways, so the copies still run after the work before them.
             return copier.batched(dsts, srcs, sizes, stream or cuda_api.STREAM_PER_THREAD,
                                   device=torch.cuda.current_device(),
                                   src_location=here if src_on_device else there,

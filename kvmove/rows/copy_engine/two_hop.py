@@ -1,28 +1,10 @@
-"""The two-hop (copy-engine) path of the row copy.
-
-Instead of the kernel writing host memory row by row (the direct path), rows pass through
-a ring beside the KV buffer (:mod:`kvmove.rows.copy_engine.device_ring`):
-
-- gather (KV -> host): the row-copy kernel packs the KV rows into the ring at HBM speed,
-  then the copy engine moves each run of consecutive host rows as one span per layer
-  (:func:`kvmove.rows.copy_engine.span_copies.copy_span_grid`: one batched call, or one
-  2-D async copy per run that covers every layer);
-- scatter (host -> KV): the copy engine moves the host spans into the ring, then the kernel
-  scatters the ring rows into the KV.
-
-The SMs are busy only for the device-side copy. With layer-first staging and contiguous
-slots each layer is a single span, so the copy engine sees a few large copies.
-
-The copy engine needs the host rows as addresses, so this path takes its row numbers on the
-host and never reads a device tensor there (that would wait for the device in the decode
-loop): :class:`~kvmove.rows.prepared.PreparedCopy` sends a call whose rows live on the
-device to the direct kernel instead. The device side gets its rows through
-:func:`~kvmove.rows.host_indices.to_device` (no host sync), the ring's own row numbers from a
-table made with the ring.
-
-The code is device-agnostic: on a machine without a GPU the ring is host memory, the
-device-side copy is the torch backend (or the Triton interpreter) and a span is a
-``memmove``; the tests check its bytes against the torch backend there.
+"""The two-hop (copy-engine) path of the row copy: rows pass through a ring beside the KV
+buffer (:mod:`kvmove.rows.copy_engine.device_ring`). A gather packs the KV rows into the
+ring with the row-copy kernel, then the copy engine moves each run of host rows as one span
+per layer (:func:`~kvmove.rows.copy_engine.span_copies.copy_span_grid`); a scatter runs the
+other way. The SMs are busy only for the device-side copy. Row numbers are taken on the
+host only (a call whose rows live on the device goes to the direct kernel instead). Without
+a GPU the ring is host memory and the device-side copy is the torch backend.
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """Row copies in host memory by numpy, for the torch backend: per layer one ``take`` of
 units into a run of units (a gather) or one indexed assignment into scattered units (a
-scatter). Numpy copies unit by unit with ``memcpy``, without the GIL; torch's CPU
-``index_select`` hands a copy past 32768 elements to its OpenMP threads, and
-``index_copy_`` moves element by element.
-
-Which is faster depends on how torch's OpenMP threads wait between parallel regions
-(measured on 2 vCPUs, 8 layers, 132-16384-byte units, against the torch calls the backend
-made before):
-
-- threads that sleep (``OMP_WAIT_POLICY=passive``, or a zero ``GOMP_SPINCOUNT`` /
-  ``KMP_BLOCKTIME``: :func:`threads_sleep`): every parallel region wakes them.
-  Numpy on the calling thread takes 0.1-0.7x torch's time up to about 1 MiB a layer, and
-  split over as many threads as torch uses (:data:`SPLIT_MIN_BYTES` and up), 0.6-0.85x at
-  1-4 MiB a layer and 0.95x at 16 MiB (memory-bound);
-- one torch thread: numpy 0.65-1.0x at every size (one thread either way);
-- threads that spin (the default): numpy 0.7-0.75x up to 64 KiB a layer, 1.25-1.9x past
-  it (back to back: torch's threads are awake); larger copies stay with torch.
-
-Torch's runtime reads its variables when torch loads it; the choice reads them as they were
-then (:mod:`kvmove.rows.torch_backend.openmp_environ`): a variable set after that changes neither.
-
-Both sides must be host memory whose units are one contiguous block per layer
-(:meth:`BufferRows.unit_arrays`): numpy would first copy a strided source whole.
-
-A split copy runs its first part on the calling thread and queues the others for helper
-threads (started on first use, as many as torch has threads, less one); the caller then
-runs any part no helper has started, so a call never waits behind another call's work, and
-returns (or raises a part's error) only once every part has ended. Only copies between
-pools apart are split (two pools over the same tensors copy on one thread: numpy reads an
-overlapping source first within one call only).
+scatter), ``memcpy`` per unit without the GIL. :func:`threads_for` says whether numpy beats
+torch's calls for a copy and over how many threads, from how torch's OpenMP threads wait
+(read as they were when torch loaded). Both sides must be host memory whose units are one
+contiguous block per layer (:meth:`BufferRows.unit_arrays`). A split copy returns, or
+raises a part's error, only once every part has ended; only copies between pools apart are
+split.
 """
 
 from __future__ import annotations
@@ -46,9 +23,14 @@ import torch
 from kvmove.memory.row_pool import BufferRows
 from kvmove.rows.torch_backend.openmp_environ import as_torch_loaded
 
-# With threads that spin, numpy copies layers of up to this many bytes (see above; measured
-# back to back, 8 layers: 0.7-0.75x torch's time at 33-64 KiB a layer, 1.25-1.55x at
-# 132-164 KiB).
+# Measured on 2 vCPUs, 8 layers, 132-16384-byte units, numpy against torch's calls: with
+# threads that sleep (OMP_WAIT_POLICY=passive, a zero GOMP_SPINCOUNT / KMP_BLOCKTIME), every
+# parallel region wakes them, and numpy takes 0.1-0.7x torch's time up to about 1 MiB a
+# layer on the calling thread, split over torch's thread count 0.6-0.85x at 1-4 MiB and
+# 0.95x at 16 MiB (memory-bound); with one torch thread 0.65-1.0x at every size; with
+# threads that spin (the default) 0.7-0.75x up to 64 KiB a layer, 1.25-1.9x past it.
+# With threads that spin, numpy copies layers of up to this many bytes (back to back,
+# 8 layers: 0.7-0.75x torch's time at 33-64 KiB a layer, 1.25-1.55x at 132-164 KiB).
 SPINNING_THREADS_MAX_BYTES = 64 << 10
 # A copy of at least this many bytes (all layers) is split over torch's thread count, at
 # least this many bytes a thread (one part each: more parts measured slower, 0.7-1.0x).
@@ -171,6 +153,10 @@ def _run_split(copy: Callable[[int, int], None], count: int, threads: int) -> No
     """``copy(a, b)`` over ``0 .. count`` in ``threads`` even ranges: the first here, the
     others queued for helpers and run here where no helper has started one. Returns, or
     raises the first part's error, once every part has ended: no part writes after."""
+    # Helper threads start on first use, as many as torch has threads, less one; the caller
+    # runs any part no helper has started, so a call never waits behind another call's work.
+    # Two pools over the same tensors copy on one thread: numpy reads an overlapping source
+    # first within one call only.
     parts = min(count, threads)
     if parts <= 1:
         copy(0, count)

@@ -1,38 +1,11 @@
 """The torch reference backend of the row copy: ``index_select`` / ``index_copy_`` on byte
 views (and ``memmove`` of runs in host memory), per layer or every layer of a stacked cache
 in one call. The correctness oracle in tests, and the fast path on a machine without a
-GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are
-skipped and counted, nothing is written outside a pool.
-
-Speed on the CPU:
-
-- the index work is done once per call, for all buffers and layers
-  (:mod:`kvmove.rows.plan`): skips and out-of-range rows are dropped, and runs are found;
-  what a part's copy resolves to is kept with the plan for the next layer of a layer-wise
-  copy;
-- whole pages move in units of several rows: where ``page_tokens`` rows are the aligned
-  run ``p * page_tokens ..`` on both sides and rows have no padding, the layer is viewed
-  as ``[units, unit_tokens * row_bytes]`` (units of up to 16 KiB) and the
-  primitive moves units, not rows (fewer index entries, each copy larger);
-- a gather or scatter whose pages are all whole (the usual paged KV cache) is planned from
-  the pages alone: no row lists are built;
-- where both sides are one run of units (a page into a slot, consecutive pages into
-  consecutive slots) in host memory, each layer is one ``memmove`` (up to
-  :data:`MEMMOVE_MAX_BYTES` a layer): no torch call, no view; on a device, or larger, one
-  ``copy_`` per layer (or one for every layer of a stacked cache), in the widest element
-  type (so that a small copy stays on one thread: waking OpenMP workers costs more than it
-  moves);
-- into a contiguous run of destination rows, every layer of a stacked cache moves in one
-  ``index_select`` while the copy is small (:func:`stacked_select_max_bytes`); otherwise
-  host memory moves by numpy (:mod:`kvmove.rows.torch_backend.host_copy`: a memcpy per unit, on the
-  calling thread or split over as many threads as torch uses, where that beats torch's
-  OpenMP threads), and the rest by one ``index_select`` per layer (a parallel memcpy per
-  row); scattered destinations in host memory move by numpy's indexed assignment on the
-  same terms;
-- ``index_copy_`` copies element by element, so its units are viewed with the widest element
-  type that the unit size, pitch and base addresses allow (8 bytes instead of 1: about 5x
-  faster at 656-byte rows; 16 bytes, as complex128, another 15-40%); the per-layer views
-  are cached by the row pools.
+GPU. It honours the kernel's contract: ``-1`` skips, out-of-range rows are skipped and
+counted, nothing is written outside a pool. The index work is done once per call
+(:mod:`kvmove.rows.plan`); whole pages move in units of several rows, a run of units in
+host memory as one ``memmove`` a layer, larger host copies by
+:mod:`kvmove.rows.torch_backend.host_copy`.
 """
 
 from __future__ import annotations
@@ -177,7 +150,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
         put_units(*arrays, layers, None if s0 is not None else part.src, s0, part.dst,
                   threads, apart=threads < 2 or src.apart_from(dst))
         return
-    # Element-wise: in the widest element type both sides allow.
+    # Element-wise: in the widest element type both sides allow (8 bytes instead of 1:
+    # about 5x faster at 656-byte rows; 16 bytes, as complex128, another 15-40%).
     d_idx = part.tensor("dst", dst.device)
     if d3 is not None and s3 is not None:  # every layer in one call
         taken = s3[:, s0:s0 + m] if s0 is not None else s3.index_select(1, s_idx)
