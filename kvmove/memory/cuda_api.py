@@ -128,6 +128,31 @@ def device_pointer(address: int) -> int:
     return int(pointer)
 
 
+def device_range(address: int) -> tuple[int, int] | None:
+    """``(start, nbytes)`` of the CUDA device allocation holding ``address``, or None: the
+    driver's pointer attributes where ``cuda-bindings`` is installed, else the segments of
+    torch's caching allocator. For register-time checks only (not cheap)."""
+    drv = _driver()
+    if drv is not None:
+        try:
+            attr = drv.CUpointer_attribute
+            err, kind = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address)
+            if int(err) != 0 or int(kind) != int(drv.CUmemorytype.CU_MEMORYTYPE_DEVICE):
+                return None
+            err, start = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                                   address)
+            err2, size = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, address)
+            if int(err) == 0 and int(err2) == 0:
+                return int(start), int(size)
+        except Exception as e:  # a binding that differs: ask torch instead
+            log.debug("cuPointerGetAttribute(%#x) failed: %s", address, e)
+    for seg in torch.cuda.memory_snapshot():
+        start, size = int(seg.get("address", 0)), int(seg.get("total_size", 0))
+        if start <= address < start + size:
+            return start, size
+    return None
+
+
 # -- copies -------------------------------------------------------------------------------------
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     rt = _runtime()

@@ -113,8 +113,8 @@ class _Staged:
         if self._checksum is None or len(desc) == 0:
             return desc
         trailer = self.staging.trailer
-        return desc.with_trailer((slots * trailer.shape[1] + trailer.data_ptr()).tolist(),
-                                 trailer.shape[1])
+        return desc._with_trailer((slots * trailer.shape[1] + trailer.data_ptr()).tolist(),
+                                  trailer.shape[1])  # the staging's own trailer rows
 
 
 class StagedEvict(_Staged):

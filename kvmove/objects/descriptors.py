@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvmove.checks import as_int_array, check_keys, check_valid_tokens
+from kvmove.objects.span_check import first_outside
 
 __all__ = ["Descriptors", "concat", "describe", "describe_trusted"]
 
@@ -40,14 +41,17 @@ class Descriptors:
     - ``nbytes(i)``: the object size, ``sum(sizes[i])``; ``total_bytes``: of all keys;
     - ``regions``: the ``(address, nbytes)`` memory regions the spans live in, and
       ``staging``: the staging buffer they belong to (``None`` when built from lists), so
-      that a store can register that memory, and forget it when the staging is gone.
+      that a store can register that memory, and forget it when the staging is gone;
+    - ``vouched``: kvmove worked the spans out (:func:`describe`, in-place rows); a store
+      takes a raw one's spans only inside memory it has registered (else ``ValueError``).
 
     Treat the lists as read-only: :func:`describe` gives keys of the same page length one
     shared ``sizes`` list (``desc.sizes[0] is desc.sizes[1]``). Build one with
     :func:`describe`, or directly from lists (which validates them).
     """
 
-    __slots__ = ("_nbytes", "_spans", "_total", "keys", "ptrs", "regions", "sizes", "staging")
+    __slots__ = ("_nbytes", "_spans", "_total", "keys", "ptrs", "regions", "sizes", "staging",
+                 "vouched")
 
     keys: list[str]
     ptrs: list[list[int]]
@@ -85,13 +89,15 @@ class Descriptors:
         self._spans = self._total = None
         self.regions = tuple((int(a), int(n)) for a, n in regions)
         self.staging = None
+        self.vouched = False  # raw addresses: a store checks them against its regions
 
     @classmethod
     def _trusted(cls, keys, ptrs, sizes, nbytes: np.ndarray, regions, staging, *,
-                 num_spans: int | None = None, total_bytes: int | None = None
-                 ) -> Descriptors:
+                 num_spans: int | None = None, total_bytes: int | None = None,
+                 vouched: bool = True) -> Descriptors:
         """Wrap lists that :func:`describe` (or a slice) already validated; ``num_spans``
-        and ``total_bytes`` where the caller knows them without a pass over the lists."""
+        and ``total_bytes`` where the caller knows them without a pass over the lists;
+        ``vouched``: its spans were worked out from memory kvmove holds."""
         self = object.__new__(cls)
         self.keys, self.ptrs, self.sizes = keys, ptrs, sizes
         self._nbytes = nbytes
@@ -99,6 +105,7 @@ class Descriptors:
         self._spans, self._total = num_spans, total_bytes
         self.regions = regions
         self.staging = staging
+        self.vouched = vouched
         return self
 
     def __len__(self) -> int:
@@ -134,7 +141,7 @@ class Descriptors:
             return self
         return Descriptors._trusted(
             self.keys[index], self.ptrs[index], self.sizes[index], self._nbytes[index],
-            self.regions, self.staging,
+            self.regions, self.staging, vouched=self.vouched,
         )
 
     def select(self, indices: Sequence[int]) -> Descriptors:
@@ -145,19 +152,28 @@ class Descriptors:
             [self.ptrs[i] for i in idx],
             [self.sizes[i] for i in idx],
             self._nbytes[np.asarray(idx, dtype=np.int64)] if idx else self._nbytes[:0],
-            self.regions, self.staging,
+            self.regions, self.staging, vouched=self.vouched,
         )
 
     def with_trailer(self, addresses: Sequence[int], nbytes: int) -> Descriptors:
         """The same objects, each followed by one more span of ``nbytes`` at
-        ``addresses[i]`` (e.g. a per-slot checksum), without validating the spans again."""
+        ``addresses[i]`` (e.g. a per-slot checksum). Vouched for only when ``self`` is and
+        every trailer lies inside ``self.regions``."""
         if len(addresses) != len(self) or nbytes <= 0:
             raise ValueError(f"need one trailer address per key ({len(self)}) and nbytes > 0, "
                              f"got {len(addresses)} addresses and nbytes={nbytes}")
+        inside = self.vouched and first_outside(
+            [int(a) for a in addresses], [int(nbytes)] * len(self), self.regions) is None
+        return self._with_trailer(addresses, nbytes, vouched=inside)
+
+    def _with_trailer(self, addresses: Sequence[int], nbytes: int, *, vouched: bool = True
+                      ) -> Descriptors:
+        """:meth:`with_trailer` of trailers kvmove placed (no check of them)."""
         ptrs = [[*p, a] for p, a in zip(self.ptrs, addresses, strict=True)]
         sizes = [[*s, nbytes] for s in self.sizes]
         return Descriptors._trusted(self.keys, ptrs, sizes, self._nbytes + nbytes,
-                                    self.regions, self.staging)
+                                    self.regions, self.staging,
+                                    vouched=vouched and self.vouched)
 
     def __iter__(self) -> Iterator[tuple[str, list[int], list[int]]]:
         """``(key, ptrs, sizes)`` of each key."""
@@ -432,7 +448,8 @@ def concat(parts: Sequence[Descriptors]) -> Descriptors:
     nbytes = np.concatenate([np.asarray(d.object_sizes(), dtype=np.int64) for d in parts]) \
         if keys else np.zeros(0, dtype=np.int64)
     return Descriptors._trusted(keys, [p for d in parts for p in d.ptrs],
-                                [s for d in parts for s in d.sizes], nbytes, regions, None)
+                                [s for d in parts for s in d.sizes], nbytes, regions, None,
+                                vouched=all(d.vouched for d in parts))
 
 
 def _check_slots(slots, n: int, num_slots: int) -> np.ndarray:

@@ -13,7 +13,9 @@ from concurrent.futures import Future
 import numpy as np
 
 from kvmove.errors import StoreError
+from kvmove.memory.mapped import check_mapped
 from kvmove.objects.descriptors import Descriptors
+from kvmove.objects.span_check import check_spans
 from kvmove.status import code_name
 from kvmove.store.clients import ClientState
 
@@ -51,9 +53,13 @@ class Registrations:
         self.state = state
 
     def register(self, staging) -> None:
-        """Register the regions of ``staging`` that are not registered yet."""
+        """Register the regions of ``staging`` that are not registered yet. Raw regions (a
+        list, not a kvmove object's ``regions()``) must be memory of this process
+        (:func:`~kvmove.memory.mapped.check_mapped`: ``ValueError``, nothing registered)."""
         regions = regions_of(staging)
         state = self.state
+        if not hasattr(staging, "regions"):
+            check_mapped([r for r in regions if state.registered.get(r[0]) != r[1]])
         client = state.client  # the current one (a replacement swaps under the lock)
         self._drop_stale(client)
         added = False
@@ -138,12 +144,15 @@ class Registrations:
 
     def use(self, desc: Descriptors) -> list[int]:
         """Register the memory of ``desc`` if needed, and count a user of its regions until
-        :meth:`release` of what this returns."""
+        :meth:`release` of what this returns. The spans of a raw (not vouched for)
+        ``desc`` must lie inside registered regions: else ``ValueError``, nothing counted."""
         state = self.state
         with state.register_lock:
             registered = state.registered
             if state.stale or any(registered.get(a) != n for a, n in desc.regions):
                 self.register(desc.staging if desc.staging is not None else desc.regions)
+            if not desc.vouched:  # raw addresses: each span inside one registered region
+                check_spans(desc.keys, desc.ptrs, desc.sizes, registered.items())
             used = [a for a, _ in desc.regions] or self._regions_touched(desc)
             for address in used:
                 state.in_use[address] += 1

@@ -10,7 +10,9 @@ object's size in bytes) when the described size is exactly the object's, ``MISS`
 ``SIZE_MISMATCH`` (-600 for a smaller destination; a larger one is -800 with the object
 present, which the store reports as ``SIZE_MISMATCH`` too); ``exists`` -> bools (codes 1 / 0);
 ``remove`` -> ``OK`` / ``MISS``. ``register`` / ``unregister`` keep the staging's regions;
-``unregister`` refuses (``StoreError``) while a put or get is using them. Bytes are copied
+``unregister`` refuses (``StoreError``) while a put or get is using them; raw regions and
+the spans of raw descriptors are refused (``ValueError``) as the real store refuses them
+(it copies with ctypes: memory that is not there would crash it too). Bytes are copied
 from and to the descriptor's spans (host addresses of the staging) as Mooncake does.
 """
 
@@ -21,7 +23,9 @@ import threading
 from collections import Counter
 
 from kvmove.errors import StoreError
+from kvmove.memory.mapped import check_mapped
 from kvmove.objects.descriptors import Descriptors
+from kvmove.objects.span_check import check_spans
 from kvmove.status import (
     INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,
@@ -52,8 +56,15 @@ class MemoryStore:
 
     def register(self, staging) -> None:
         self._open("register")
+        self._add(staging)
+
+    def _add(self, staging) -> None:
+        """As ``MooncakeStore``: raw regions must be memory of this process (``ValueError``)."""
+        regions = self._regions(staging)
+        if not hasattr(staging, "regions"):
+            check_mapped([r for r in regions if self._registered.get(r[0]) != r[1]])
         with self._lock:
-            for address, nbytes in self._regions(staging):
+            for address, nbytes in regions:
                 self._registered[address] = nbytes
 
     def unregister(self, staging) -> None:
@@ -166,10 +177,14 @@ class MemoryStore:
             raise StoreError("the store is closed")
         self.calls[what] += 1
 
-    @staticmethod
-    def _check(desc) -> None:
+    def _check(self, desc) -> None:
         if not isinstance(desc, Descriptors):
             raise TypeError(f"expected kvmove.Descriptors (from describe()), got {type(desc)}")
+        if not desc.vouched:  # as MooncakeStore: raw spans inside registered memory only
+            self._add(desc.staging if desc.staging is not None else desc.regions)
+            with self._lock:
+                regions = list(self._registered.items())
+            check_spans(desc.keys, desc.ptrs, desc.sizes, regions)
 
     def _release(self, used: list[int]) -> None:
         with self._lock:
