@@ -1,5 +1,5 @@
 """Raw descriptors that point outside registered memory are refused before Mooncake sees
-them (issue 51): a put or get of one used to kill the process with SIGSEGV. The wild calls
+them: a put or get of one used to kill the process with SIGSEGV. The wild calls
 run in a child process, so that a crash fails the test instead of ending the run."""
 
 from __future__ import annotations
