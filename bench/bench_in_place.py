@@ -2,12 +2,17 @@
 reading (put) and writing (get) the KV rows where they are, one span per row of every layer
 (what vLLM's own store connector does), through the same client and store, in the same run.
 
-Two workloads:
+Two kinds of rows, each on a stacked cache (one ``[layers, slots, row]`` tensor) and on
+per-layer tensors (SGLang's pools; one allocation per layer), 1 to 4,096 pages per call:
 
-- block rows: 96 blocks of 16 KiB x 32 layers, one row per block and layer (vLLM's KV
-  blocks; ``page_tokens=1``), scattered block ids;
-- token rows: 48 pages of 16 scattered 656-byte tokens x 61 layers (976 spans per key in
-  place; HiSparse's DSA rows).
+- block rows: blocks of 16 KiB x 32 layers, one row per block and layer (vLLM's KV
+  blocks; ``page_tokens=1``), scattered block ids; goal <= 1.05x the floor;
+- token rows: pages of 16 scattered 656-byte tokens x 61 layers (976 spans per key in
+  place; HiSparse's DSA rows); goal <= 1.0x.
+
+A call is capped at 256 MiB: larger page counts run with fewer layers (the table says so).
+A goal is met where the upper quartile of the paired ratios is within it, missed where the
+lower quartile is above it, and otherwise reported as within the run's noise.
 
 Methods, interleaved in every repeat (the order rotates; ``gc.collect()`` before every
 timed call, then ``--settle`` seconds asleep, none by default): the floor
@@ -18,9 +23,9 @@ that returns at once, as ``KVMover.prefetch`` does, cannot avoid: a thread hand-
 the floor with its span lists built inside its clock (numpy arithmetic and one
 ``tolist()``, as an engine's own connector builds them for every call), and ``KVMover``
 evict + wait / prefetch + wait with ``path="auto"`` (what it picks is reported; built as by
-default, and with ``prefetch_into_free_rows=True`` as the vLLM connector builds it),
-``"staged"`` and ``"in_place"``. The floor's span lists are built before its clock starts:
-it is the store's own time. Every get is checked byte for byte. The ratios
+default, and with ``keep_failed_rows=True``, which stages prefetches to keep a failed key's
+rows untouched), ``"staged"`` and ``"in_place"``. The floor's span lists are built before
+its clock starts: it is the store's own time. Every get is checked byte for byte. The ratios
 to the floor are medians of per-repeat ratios (each method against the floor of the same
 repeat, measured within milliseconds of each other, so that the machine's load, which
 drifts over seconds on a shared machine, cancels), with their quartiles.
@@ -30,7 +35,8 @@ just run Python (``gc.collect()``, or an engine's own work) makes the next few m
 reads on it slower than a rested thread does, so the floor (made on the calling thread)
 gains from a rest and a mover that reads on a worker thread does not.
 
-    python -m bench.bench_in_place [--quick] [--repeat N] [--settle S] [--json PATH]
+    python -m bench.bench_in_place [--quick] [--repeat N] [--pages N ...] [--settle S]
+                                   [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,25 +60,53 @@ import kvmove
 from bench import results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# mover name -> KVMover arguments: ``auto`` as built by default (prefetches stay staged),
-# ``auto+free_rows`` as the vLLM connector builds it (its loads land in freshly allocated
-# blocks: ``prefetch_into_free_rows=True`` lets ``auto`` take prefetches in place), and the
-# two paths forced.
+# mover name -> KVMover arguments: ``auto`` as built by default (prefetches in place where
+# that measures faster), ``auto+keep`` with ``keep_failed_rows=True`` (prefetches staged, so
+# that a failed key's rows stay untouched), and the two paths forced.
 MOVERS = {
     "auto": {"path": "auto"},
-    "auto+free_rows": {"path": "auto", "prefetch_into_free_rows": True},
+    "auto+keep": {"path": "auto", "keep_failed_rows": True},
     "staged": {"path": "staged"},
     "in_place": {"path": "in_place"},
 }
 PATHS = tuple(MOVERS)
-# name -> (layers, row bytes, page tokens, pages, target: auto's time over the floor's)
-WORKLOADS = {
-    "block rows": (32, 16384, 1, 96, 1.05),
-    "token rows": (61, 656, 16, 48, 1.0),
+# kind -> (layers, row bytes, page tokens, target: auto's time over the floor's)
+KINDS = {
+    "block rows": (32, 16384, 1, 1.05),
+    "token rows": (61, 656, 16, 1.0),
 }
+CACHES = ("stacked", "per_layer")
+PAGES = (1, 16, 256, 4096)
+QUICK_PAGES = (1, 16, 64)
+CALL_BYTES = 256 << 20  # at most this many bytes per call: fewer layers where more pages
 # The floor with its span lists made inside its clock (as an engine's own connector makes them
 # for every call): what part of the gap to the floor is describing the rows at all.
 SPANS_BUILT = "floor {op} (spans built in the clock)"
+
+
+def layers_within(layers: int, pages: int, page_tokens: int, row_bytes: int) -> int:
+    """``layers``, or fewer so that one call moves at most :data:`CALL_BYTES`."""
+    return max(1, min(layers, CALL_BYTES // (pages * page_tokens * row_bytes)))
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """``met`` where the upper quartile of ``ratios`` is within ``target``, ``missed`` where
+    the lower quartile is above it, else ``within noise``."""
+    q1, q3 = np.quantile(ratios, [0.25, 0.75])
+    return "met" if q3 <= target else "missed" if q1 > target else "within noise"
+
+
+def layer_tensors(cache: str, layers: int, num_slots: int, row_bytes: int,
+                  g: torch.Generator) -> tuple[object, list[torch.Tensor]]:
+    """The KV rows as given to ``KVCache`` (a stacked tensor or per-layer tensors) and as
+    one ``[slots, row_bytes]`` tensor per layer."""
+    if cache == "stacked":
+        t = torch.randint(0, 256, (layers, num_slots, row_bytes), dtype=torch.uint8,
+                          generator=g)
+        return t, list(t.unbind(0))
+    ts = [torch.randint(0, 256, (num_slots, row_bytes), dtype=torch.uint8, generator=g)
+          for _ in range(layers)]
+    return ts, ts
 
 
 def workload_pages(pages: int, page_tokens: int, num_slots: int, seed: int
@@ -85,49 +119,47 @@ def workload_pages(pages: int, page_tokens: int, num_slots: int, seed: int
             slots[pages * page_tokens:].reshape(pages, page_tokens))
 
 
-def floor_spans(kv_tensor: torch.Tensor, pages: torch.Tensor) -> list[list[int]]:
+def floor_spans(layers: list[torch.Tensor], pages: torch.Tensor) -> list[list[int]]:
     """Per page, the address of each row of each layer in object order (layer by layer,
     the page's tokens in order): one span per row, nothing merged (no two are adjacent)."""
-    base = kv_tensor.data_ptr()
-    layer_step, pitch = kv_tensor.stride(0), kv_tensor.stride(1)
-    layers = np.arange(kv_tensor.shape[0], dtype=np.int64)
-    addr = base + layers[None, :, None] * layer_step + pages.numpy()[:, None, :] * pitch
+    bases = np.array([t.data_ptr() for t in layers], dtype=np.int64)
+    addr = bases[None, :, None] + pages.numpy()[:, None, :] * layers[0].stride(0)
     return addr.reshape(pages.shape[0], -1).tolist()
 
 
-def run_workload(name: str, store, args) -> dict:
-    layers, row_bytes, page_tokens, pages, target = WORKLOADS[name]
-    if args.quick:
-        pages = max(8, pages // 4)
-    pages = args.pages or pages
-    layers = args.layers or layers
+def run_workload(kind: str, cache_kind: str, pages: int, store, args) -> dict:
+    layers, row_bytes, page_tokens, target = KINDS[kind]
+    layers = layers_within(args.layers or layers, pages, page_tokens, row_bytes)
     num_slots = 4 * pages * page_tokens + 2
-    g = torch.Generator().manual_seed(1)
-    cache = torch.randint(0, 256, (layers, num_slots, row_bytes), dtype=torch.uint8,
-                          generator=g)
-    kv = kvmove.KVCache({"kv": cache})
+    given, per_layer = layer_tensors(cache_kind, layers, num_slots, row_bytes,
+                                     torch.Generator().manual_seed(1))
+    kv = kvmove.KVCache({"kv": given})
     src, dst = workload_pages(pages, page_tokens, num_slots, seed=2)
     object_bytes = layers * page_tokens * row_bytes
-    total = pages * object_bytes
     client = store.raw_client  # the floor talks to the same Mooncake client
-    store.register([(cache.data_ptr(), cache.numel())])
-    src_spans, dst_spans = floor_spans(cache, src), floor_spans(cache, dst)
+    regions = [(t.data_ptr(), t.numel()) for t in per_layer]
+    if cache_kind == "stacked":
+        regions = [(given.data_ptr(), given.numel())]
+    store.register(regions)
+    src_spans, dst_spans = floor_spans(per_layer, src), floor_spans(per_layer, dst)
     sizes = [[row_bytes] * (layers * page_tokens)] * pages
     movers = {p: kvmove.KVMover(kv, store, page_tokens=page_tokens, staging_slots=pages,
                                 raw_keys=True, **MOVERS[p]) for p in PATHS}
-    chosen = movers["auto"].path_choice
-    chosen_free = movers["auto+free_rows"].path_choice
-    want = [cache[:, s].clone() for s in src.reshape(-1).tolist()]
+    src_flat, dst_flat = src.reshape(-1), dst.reshape(-1)
+
+    def rows_of(slots: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t.index_select(0, slots) for t in per_layer])
+
+    want = rows_of(src_flat)
 
     def check_and_clear(tag: str) -> None:
-        flat = dst.reshape(-1).tolist()
-        for i, slot in enumerate(flat):
-            assert torch.equal(cache[:, slot], want[i]), f"{name} {tag}: loaded bytes differ"
-        cache[:, dst.reshape(-1)] = 0
+        assert torch.equal(rows_of(dst_flat), want), f"{kind} {tag}: loaded bytes differ"
+        for t in per_layer:
+            t.index_fill_(0, dst_flat, 0)
 
     def floor_put(keys, exists_check=True, spans=src_spans):
         if spans is None:  # built in the clock
-            spans = floor_spans(cache, src)
+            spans = floor_spans(per_layer, src)
         todo = range(pages)
         if exists_check:
             flags = client.batch_is_exist(keys)
@@ -139,7 +171,7 @@ def run_workload(name: str, store, args) -> dict:
 
     def floor_get(keys, spans=dst_spans):
         if spans is None:  # built in the clock
-            spans = floor_spans(cache, dst)
+            spans = floor_spans(per_layer, dst)
         codes = client.batch_get_into_multi_buffers(keys, spans, sizes)
         assert codes == [object_bytes] * pages, codes[:4]
 
@@ -158,7 +190,8 @@ def run_workload(name: str, store, args) -> dict:
 
     names = ["floor", *(f"KVMover {p}" for p in PATHS)]
     rows: dict[str, list[float]] = {}
-    cache[:, dst.reshape(-1)] = 0
+    for t in per_layer:
+        t.index_fill_(0, dst_flat, 0)
     for r in range(args.warmup + args.repeat):
         k = r % len(names)
         order = names[k:] + names[:k]
@@ -207,10 +240,11 @@ def run_workload(name: str, store, args) -> dict:
         if r >= args.warmup:
             for what, s in times.items():
                 rows.setdefault(what, []).append(s)
+    chosen = {p: movers[p].path_choice for p in ("auto", "auto+keep")}
     for m in movers.values():
         m.close()
     worker.shutdown()
-    store.unregister([(cache.data_ptr(), cache.numel())])
+    store.unregister(regions)
     med = {k: statistics.median(v) for k, v in rows.items()}
     paired = {f"{who} {op}": [a / b for a, b in zip(rows[f"KVMover {who} {op}"],
                                                     rows[f"floor {op}"], strict=True)]
@@ -223,26 +257,32 @@ def run_workload(name: str, store, args) -> dict:
     quartiles = {k: [float(q) for q in np.quantile(v, [0.25, 0.75])]
                  for k, v in paired.items()}
     return {
-        "workload": name, "layers": layers, "row_bytes": row_bytes,
+        "workload": kind, "cache": cache_kind, "layers": layers, "row_bytes": row_bytes,
         "page_tokens": page_tokens, "pages": pages, "object_bytes": object_bytes,
-        "total_bytes": total, "spans_per_key_in_place": layers * page_tokens,
+        "total_bytes": pages * object_bytes, "spans_per_key_in_place": layers * page_tokens,
         "repeats": args.repeat, "settle_s": args.settle,
-        "auto_path": chosen.path, "auto_reason": chosen.reason,
-        "auto_free_rows_path": chosen_free.path, "auto_free_rows_reason": chosen_free.reason,
+        "auto_path": chosen["auto"].path, "auto_reason": chosen["auto"].reason,
+        "auto_keep_path": chosen["auto+keep"].path,
+        "auto_keep_reason": chosen["auto+keep"].reason,
         "median_ms": {k: v * 1e3 for k, v in med.items()},
         "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
         "over_floor": ratio, "over_floor_quartiles": quartiles, "target": target,
-        "met": {op: ratio[f"auto {op}"] <= target for op in ("put", "get")},
-        "met_free_rows": {op: ratio[f"auto+free_rows {op}"] <= target for op in ("put", "get")},
+        "verdict": {op: verdict(paired[f"auto {op}"], target) for op in ("put", "get")},
+        "verdict_keep": {op: verdict(paired[f"auto+keep {op}"], target)
+                         for op in ("put", "get")},
     }
 
 
 def run(args) -> dict:
     segment = 3 << 30
     out = []
+    pages = args.pages or (QUICK_PAGES if args.quick else PAGES)
     with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
-        for name in WORKLOADS:
-            out.append(run_workload(name, store, args))
+        for kind in KINDS:
+            for cache in args.caches:
+                for n in pages:
+                    out.append(run_workload(kind, cache, n, store, args))
+                    log_line(out[-1])
     return {
         "benchmark": "bench_in_place", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
@@ -252,46 +292,59 @@ def run(args) -> dict:
     }
 
 
+def log_line(w: dict) -> None:
+    print(f"{w['workload']}, {w['cache']}, {w['pages']} pages x {w['layers']} layers: auto "
+          f"{w['auto_path']} put {w['over_floor']['auto put']:.2f}x ({w['verdict']['put']}), "
+          f"get {w['over_floor']['auto get']:.2f}x ({w['verdict']['get']})", flush=True)
+
+
+def summary_rows(w: dict) -> list[str]:
+    """The cells of one workload in the summary: what ``auto`` picked and its put and get
+    over the floor (median of paired ratios, quartiles, verdict), and the same with
+    ``keep_failed_rows=True``."""
+
+    def cell(who: str, op: str) -> str:
+        q = w["over_floor_quartiles"][f"{who} {op}"]
+        said = w["verdict" if who == "auto" else "verdict_keep"][op]
+        return f"{w['over_floor'][f'{who} {op}']:.2f}x ({q[0]:.2f}-{q[1]:.2f}) {said}"
+
+    return [w["workload"], w["cache"], str(w["pages"]), str(w["layers"]), w["auto_path"],
+            cell("auto", "put"), cell("auto", "get"), w["auto_keep_path"],
+            cell("auto+keep", "get"), f"<= {w['target']:g}x"]
+
+
+SUMMARY_COLUMNS = ("rows", "cache", "pages", "layers", "auto path", "auto put / floor",
+                   "auto get / floor", "keep path", "keep get / floor", "goal")
+
+
 def report(result: dict, console: Console) -> None:
-    for w in result["in_place"]:
-        table = Table(title=f"{w['workload']}: {w['pages']} pages x {w['page_tokens']} tokens "
-                            f"x {w['row_bytes']} B x {w['layers']} layers "
-                            f"({w['object_bytes'] / 1024:.0f} KiB objects, "
-                            f"{w['spans_per_key_in_place']} spans per key in place), "
-                            f"median of {w['repeats']}"
-                            + (f", {w['settle_s'] * 1e3:g} ms asleep before each call"
-                               if w.get("settle_s") else ""))
-        for col in ("method", "median ms", "spread", "/ floor (paired, quartiles)"):
-            table.add_column(col, justify="left" if col == "method" else "right")
-        for op in ("put", "get"):
-            for k, v in w["median_ms"].items():
-                if k.endswith(op) or (op in k and "(" in k):
-                    pair = k.removeprefix("KVMover ")
-                    q = w["over_floor_quartiles"].get(pair)
-                    table.add_row(k, f"{v:.2f}", f"{w['spread'][k] * 100:.0f}%",
-                                  f"{w['over_floor'][pair]:.2f}x ({q[0]:.2f}-{q[1]:.2f})"
-                                  if q else "")
-        console.print(table)
-        marks = {op: "met" if w["met"][op] else "MISSED" for op in ("put", "get")}
-        console.print(f"auto picked {w['auto_path']} ({w['auto_reason']}); its time over the "
-                      f"floor: put {w['over_floor']['auto put']:.2f}x ({marks['put']}), "
-                      f"get {w['over_floor']['auto get']:.2f}x ({marks['get']}); target "
-                      f"<= {w['target']:g}x")
-        marks = {op: "met" if w["met_free_rows"][op] else "MISSED" for op in ("put", "get")}
-        console.print(f"with prefetch_into_free_rows=True auto picked "
-                      f"{w['auto_free_rows_path']}: put "
-                      f"{w['over_floor']['auto+free_rows put']:.2f}x ({marks['put']}), get "
-                      f"{w['over_floor']['auto+free_rows get']:.2f}x ({marks['get']})")
+    ws = result["in_place"]
+    table = Table(title=f"KVMover over the in-place floor (median of paired ratios, "
+                        f"quartiles), {ws[0]['repeats']} repeats"
+                        + (f", {ws[0]['settle_s'] * 1e3:g} ms asleep before each call"
+                           if ws[0].get("settle_s") else ""))
+    for col in SUMMARY_COLUMNS:
+        table.add_column(col, justify="left" if col in ("rows", "cache") else "right")
+    for w in ws:
+        table.add_row(*summary_rows(w))
+    console.print(table)
+    for w in ws:
+        console.print(f"{w['workload']}, {w['cache']}, {w['pages']} pages: auto: "
+                      f"{w['auto_reason']}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_in_place",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=21)
+    p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="a quarter of the pages, 3 repeats")
-    p.add_argument("--pages", type=int, default=None, help="pages per call (both workloads)")
-    p.add_argument("--layers", type=int, default=None, help="layers (both workloads)")
+    p.add_argument("--quick", action="store_true", help="fewer page counts, 3 repeats")
+    p.add_argument("--pages", type=int, nargs="+", default=None,
+                   help=f"pages per call (default {' '.join(map(str, PAGES))}; quick "
+                        f"{' '.join(map(str, QUICK_PAGES))})")
+    p.add_argument("--layers", type=int, default=None, help="layers (both kinds of rows)")
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES),
+                   help="stacked tensor, per-layer tensors, or both (default)")
     p.add_argument("--settle", type=float, default=0.0, metavar="S",
                    help="seconds asleep after the gc.collect() before every timed call "
                         "(a machine at rest between calls; default 0)")
@@ -300,6 +353,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not 0 <= args.settle <= 10:
         p.error(f"--settle must be 0-10 seconds, got {args.settle}")
+    if args.pages and min(args.pages) < 1:
+        p.error(f"--pages must be at least 1, got {min(args.pages)}")
     if args.quick:
         args.repeat = 3
     return results.finish_suite(run(args), report, Path(args.json) if args.json else None)

@@ -13,7 +13,8 @@ from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import LAYOUTS, StagingBuffer
 from kvmove.mover.in_place_path import InPlaceEvict, InPlacePrefetch
 from kvmove.mover.lifecycle import Lifecycle, MoverStats
-from kvmove.mover.path_choice import PathChoice, check_path, log_choice, probe, resolve
+from kvmove.mover.path_choice import (PathChoice, check_keep_failed_rows, check_path, log_choice,
+                                      probe, resolve)
 from kvmove.mover.request import RequestTaker
 from kvmove.mover.staged_path import Copies, StagedEvict, StagedPrefetch, layer_groups
 from kvmove.mover.transfer import Transfer
@@ -56,7 +57,7 @@ class KVMover:
         raw_keys: bool = False,
         layout: str = "layer_first",
         path: str = "auto",
-        prefetch_into_free_rows: bool = False,
+        keep_failed_rows: bool = False,
         put_in_background: bool = False,
     ):
         if not isinstance(kv, KVCache):
@@ -66,9 +67,6 @@ class KVMover:
                                       zero_ok=True)
         self.kv = kv
         self.store = store
-        if not isinstance(prefetch_into_free_rows, bool):
-            raise TypeError(f"prefetch_into_free_rows must be a bool, got "
-                            f"{prefetch_into_free_rows!r}")
         if not isinstance(put_in_background, bool):
             raise TypeError(f"put_in_background must be a bool, got {put_in_background!r}")
         self.put_in_background = put_in_background
@@ -78,13 +76,14 @@ class KVMover:
         check_layout(layout, LAYOUTS)
         resolve_backend(backend, kv.row_pool.device)
         path = check_path(path)
+        check_keep_failed_rows(keep_failed_rows, path)
         if raw_keys and key_prefix:
             raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
         self.keyspace = (RawKeys() if raw_keys
                          else KeySpace(kv, page_tokens, key_prefix, checksum=checksum,
                                        layout=layout))
         self.path_choice = self._choose_path(path, page_tokens, staging_slots, backend, layout,
-                                             checksum, prefetch_into_free_rows)
+                                             checksum, keep_failed_rows)
         wanted = "in_place" in (self.path_choice.evict, self.path_choice.prefetch)
         self._rows = self._register_rows(page_tokens, layout, asked=path) if wanted else None
         self._life: Lifecycle | None = None
@@ -162,7 +161,7 @@ class KVMover:
                     stream=stream, alloc_timeout=alloc_timeout)
 
     def _choose_path(self, path, page_tokens, staging_slots, backend, layout, checksum,
-                     free_rows) -> PathChoice:
+                     keep_failed) -> PathChoice:
         """The :class:`~kvmove.mover.path_choice.PathChoice` for ``path`` (the arguments the
         probe uses are checked already)."""
 
@@ -171,7 +170,7 @@ class KVMover:
                            backend=backend, layout=layout, workers=1, path=path)
 
         return resolve(path, self.kv, self.store, page_tokens=page_tokens, layout=layout,
-                       checksum=checksum, prefetch_into_free_rows=free_rows,
+                       checksum=checksum, keep_failed_rows=keep_failed,
                        probe=lambda: probe(self.kv, self.store, page_tokens=page_tokens,
                                            layout=layout, make_mover=scratch_mover,
                                            pages=staging_slots))

@@ -15,8 +15,9 @@ from kvmove.mover.path_probe import DIRECTIONS, probe
 from kvmove.objects.in_place import rows_reachable
 from kvmove.store.protocol import Store
 
-__all__ = ["PATHS", "PathChoice", "check_path", "decide", "forget_recorded",
-           "in_place_refusal", "log_choice", "probe", "resolve"]
+__all__ = ["PATHS", "PathChoice", "check_keep_failed_rows", "check_path", "decide",
+           "forget_recorded", "in_place_refusal", "keeping_failed_rows", "log_choice", "probe",
+           "resolve"]
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +76,27 @@ def record_key(kv: KVCache, store: Store, page_tokens: int, layout: str) -> tupl
 
 
 def resolve(path: str, kv: KVCache, store: Store, *, page_tokens: int, layout: str, checksum: bool,
-            probe: Callable[[], dict], prefetch_into_free_rows: bool = False,
+            probe: Callable[[], dict], keep_failed_rows: bool = False,
             probe_failed: str = "staged") -> PathChoice:
     """The :class:`PathChoice` for ``path``: ``"staged"`` as asked; ``"in_place"`` as asked
     or ``ValueError`` saying why it cannot be; ``"auto"`` recorded, or measured with
     ``probe()`` (``{"staged": ms, "in_place": ms}``; it may raise: then ``probe_failed``,
-    not recorded). Under ``auto`` prefetches go in place only with
-    ``prefetch_into_free_rows`` (see :func:`keep_failed_rows`)."""
-    return keep_failed_rows(_resolve(path, kv, store, page_tokens=page_tokens, layout=layout,
-                                     checksum=checksum, probe=probe,
-                                     probe_failed=_fallback(probe_failed)),
-                            asked=path, free_rows=prefetch_into_free_rows)
+    not recorded). ``keep_failed_rows`` stages the prefetches (see
+    :func:`keeping_failed_rows`)."""
+    check_keep_failed_rows(keep_failed_rows, path)
+    choice = _resolve(path, kv, store, page_tokens=page_tokens, layout=layout,
+                      checksum=checksum, probe=probe, probe_failed=_fallback(probe_failed))
+    return keeping_failed_rows(choice) if keep_failed_rows else choice
+
+
+def check_keep_failed_rows(keep_failed_rows, path: str) -> None:
+    """``keep_failed_rows`` is a bool, and not asked of a mover told to prefetch in place."""
+    if not isinstance(keep_failed_rows, bool):
+        raise TypeError(f"keep_failed_rows must be a bool, got {keep_failed_rows!r}")
+    if keep_failed_rows and path == "in_place":
+        raise ValueError("keep_failed_rows=True cannot hold with path='in_place': a failed "
+                         "in-place get may leave part of its object in the rows (use "
+                         "path='auto' or 'staged')")
 
 
 def _fallback(path: str) -> str:
@@ -94,17 +105,14 @@ def _fallback(path: str) -> str:
     return path
 
 
-def keep_failed_rows(choice: PathChoice, *, asked: str, free_rows: bool) -> PathChoice:
-    """``choice`` with prefetches staged where ``auto`` chose them in place but the caller
-    did not say that a prefetch's rows hold nothing it needs until the prefetch is OK: a
-    failed in-place get can leave part of its object in its key's rows, and the default
-    contract is that a failed prefetch leaves the rows untouched."""
-    if asked != "auto" or free_rows or choice.prefetch != "in_place":
+def keeping_failed_rows(choice: PathChoice) -> PathChoice:
+    """``choice`` with prefetches staged: a failed in-place get can leave part of its
+    object in its key's rows, and ``keep_failed_rows=True`` promises them untouched."""
+    if choice.prefetch != "in_place":
         return choice
     return PathChoice(choice.evict, "staged",
                       f"{choice.reason}; prefetches staged all the same: a failed in-place "
-                      f"get may leave part of its object in the rows "
-                      f"(prefetch_into_free_rows=True allows it)",
+                      f"get may leave part of its object in the rows (keep_failed_rows=True)",
                       choice.figures, choice.recorded)
 
 

@@ -513,7 +513,7 @@ def test_a_movers_first_calls_import_nothing_and_start_no_thread():
             kv = kvmove.KVCache({"kv": [torch.zeros(4096, 656, dtype=torch.uint8)
                                         for _ in range(6)]})
             movers = [kvmove.KVMover(kv, store, page_tokens=16, staging_slots=80, path=path,
-                                     key_prefix=path, prefetch_into_free_rows=True)
+                                     key_prefix=path)
                       for path in ("staged", "in_place")]
             before, threads = set(sys.modules), set(threading.enumerate())
             for mover in movers:

@@ -115,7 +115,7 @@ def test_a_caller_names_the_path_a_failed_probe_leaves(store):
 
     for fallback in ("in_place", "staged"):
         choice = path_choice.resolve("auto", kv, store, page_tokens=1, layout="layer_first",
-                                     checksum=False, probe=broken, prefetch_into_free_rows=True,
+                                     checksum=False, probe=broken,
                                      probe_failed=fallback)
         assert (choice.evict, choice.prefetch) == (fallback, fallback)
         assert "probe failed" in choice.reason and not choice.recorded
@@ -125,16 +125,28 @@ def test_a_caller_names_the_path_a_failed_probe_leaves(store):
     path_choice.forget_recorded()
 
 
-def test_auto_keeps_prefetches_staged_unless_their_rows_are_free():
-    # A failed in-place get can leave part of its object in the key's rows: by default a
-    # failed prefetch leaves the rows untouched, so auto keeps prefetches staged.
+def test_keeping_failed_rows_stages_the_prefetches_only():
+    # A failed in-place get can leave part of its object in the key's rows: a caller that
+    # asks for those rows untouched (keep_failed_rows=True) gets its prefetches staged.
     chose_both = path_choice.PathChoice("in_place", "in_place", "auto: measured")
-    kept = path_choice.keep_failed_rows(chose_both, asked="auto", free_rows=False)
+    kept = path_choice.keeping_failed_rows(chose_both)
     assert (kept.evict, kept.prefetch) == ("in_place", "staged")
-    assert "prefetch_into_free_rows=True" in kept.reason
-    assert path_choice.keep_failed_rows(chose_both, asked="auto", free_rows=True) is chose_both
-    asked = path_choice.PathChoice.both("in_place", "asked for")
-    assert path_choice.keep_failed_rows(asked, asked="in_place", free_rows=False) is asked
+    assert "keep_failed_rows=True" in kept.reason
+    staged = path_choice.PathChoice("in_place", "staged", "auto: measured")
+    assert path_choice.keeping_failed_rows(staged) is staged
+
+
+def test_keep_failed_rows_is_checked_before_anything(store):
+    kv = kvmove.KVCache(GEOMETRIES["mla"](16))
+    with pytest.raises(TypeError, match="keep_failed_rows must be a bool, got 'yes'"):
+        kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2, keep_failed_rows="yes")
+    with pytest.raises(ValueError, match="keep_failed_rows=True cannot hold with "
+                                         "path='in_place'"):
+        kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2, path="in_place",
+                       keep_failed_rows=True)
+    with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2, path="staged",
+                        keep_failed_rows=True) as m:
+        assert m.path == "staged"
 
 
 def test_the_mover_passes_its_promise_about_prefetch_rows(store, monkeypatch):
@@ -145,12 +157,10 @@ def test_the_mover_passes_its_promise_about_prefetch_rows(store, monkeypatch):
     kv = kvmove.KVCache(GEOMETRIES["mla"](16))
     try:
         with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2) as m:
-            assert (m.path_choice.evict, m.path_choice.prefetch) == ("in_place", "staged")
+            assert m.path == "in_place"  # by default, where it measures faster
         with kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2,
-                            prefetch_into_free_rows=True) as m:
-            assert m.path == "in_place"
-        with pytest.raises(TypeError, match="prefetch_into_free_rows"):
-            kvmove.KVMover(kv, store, page_tokens=1, staging_slots=2,
-                           prefetch_into_free_rows="yes")
+                            keep_failed_rows=True) as m:
+            assert (m.path_choice.evict, m.path_choice.prefetch) == ("in_place", "staged")
+            assert "keep_failed_rows=True" in m.path_choice.reason
     finally:
         path_choice.forget_recorded()

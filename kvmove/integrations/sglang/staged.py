@@ -103,8 +103,7 @@ class StagedPages:
         self.choice: PathChoice
         # (a probe that fails leaves the pages in place, as SGLang's own backend moves them)
         choice = resolve(path, self.cache, store, page_tokens=1, layout=LAYOUT, checksum=False,
-                         probe=self._probe, prefetch_into_free_rows=True,
-                         probe_failed="in_place")
+                         probe=self._probe, probe_failed="in_place")
         choice = self.choice = prefer_in_place(choice)
         self.mover: kvmove.KVMover | None = None
         if "staged" in (choice.evict, choice.prefetch):

@@ -32,12 +32,12 @@ def block_mover(views: list[torch.Tensor], store: Store, *, staging_slots: int,
     (host memory; device memory over RDMA) and moving them in place measures faster, saves
     and loads skip staging. A load lands in blocks vLLM allocated for it and a block whose
     load failed is recomputed (``kv_load_failure_policy`` "recompute"): whatever a failed
-    in-place get left in it is overwritten, so loads may go in place too
-    (``prefetch_into_free_rows=True``). A put in place runs in the background
+    in-place get left in it is overwritten, so loads go in place too (the default,
+    ``keep_failed_rows=False``). A put in place runs in the background
     (``put_in_background=True``): vLLM's scheduler holds the blocks until it is done."""
     return kvmove.KVMover(kvmove.KVCache({"kv": views}), store, page_tokens=1,
                           staging_slots=staging_slots, raw_keys=True, path=path,
-                          prefetch_into_free_rows=True, put_in_background=True)
+                          put_in_background=True)
 
 
 def block_pages(block_ids: list[int]) -> np.ndarray:
