@@ -10,7 +10,7 @@ per-layer tensors (SGLang's pools; one allocation per layer), 1 to 4,096 pages p
 - token rows: pages of 16 scattered 656-byte tokens x 61 layers (976 spans per key in
   place; HiSparse's DSA rows); goal <= 1.0x.
 
-A call is capped at 256 MiB: larger page counts run with fewer layers (the table says so).
+A call is capped at 128 MiB: larger page counts run with fewer layers (the table says so).
 A goal is met where the upper quartile of the paired ratios is within it, missed where the
 lower quartile is above it, and otherwise reported as within the run's noise.
 
@@ -78,7 +78,7 @@ KINDS = {
 CACHES = ("stacked", "per_layer")
 PAGES = (1, 16, 256, 4096)
 QUICK_PAGES = (1, 16, 64)
-CALL_BYTES = 256 << 20  # at most this many bytes per call: fewer layers where more pages
+CALL_BYTES = 128 << 20  # at most this many bytes per call: fewer layers where more pages
 # The floor with its span lists made inside its clock (as an engine's own connector makes them
 # for every call): what part of the gap to the floor is describing the rows at all.
 SPANS_BUILT = "floor {op} (spans built in the clock)"

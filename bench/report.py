@@ -145,6 +145,18 @@ def suite_section(name: str, suite: dict) -> list[str]:
         return out
     if suite.get("benchmark") == "bench_direct":
         return out + direct_section(suite)
+    if suite.get("benchmark") == "bench_checksum":
+        out += [f"The checksum's cost: KVMover evict + prefetch with `checksum=True` over the "
+                f"staged mover without it (goal <= {suite['goal']:g}x), and the checksum "
+                f"alone as a share of the staged round trip:", "",
+                "| cache | page tokens | pages x layers | with / without | paired range | "
+                "checksum alone | met |", "|---|---:|---:|---:|---:|---:|---|"]
+        out += [f"| {c['cache']} | {c['page_tokens']} | {c['pages']} x {c['layers']} | "
+                f"{c['ratio']:.2f}x | {c['paired_ratio_range'][0]:.2f}-"
+                f"{c['paired_ratio_range'][1]:.2f} | {c['alone_share'] * 100:.0f}% | "
+                f"{'yes' if c['met'] else 'no'} |" for c in suite.get("cases", [])]
+        out.append("")
+        return out
     d = suite.get("describe")
     if d:
         out += [f"- descriptors for {d['keys']} keys x {d['layers']} layers ({d['spans']} "

@@ -13,7 +13,8 @@ place), ``bench/bench_calls.py`` (the fixed cost of one call, back to back),
 copy engine vs kernel; skipped without a GPU), ``bench/bench_vllm.py`` (vLLM connector
 save/load against vLLM's own Mooncake connector, in ``.venv-vllm``) and
 ``bench/bench_direct.py`` (prefill -> decode host pool: PageSender against evict + get
-through the store). A suite whose module is missing is skipped with a message.
+through the store), ``bench/bench_checksum.py`` (evict + prefetch with the end-to-end
+checksum against without). A suite whose module is missing is skipped with a message.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ SUITES = {
     "vllm": ("bench.bench_vllm", ["--quick"], []),
     "sglang": ("bench.bench_sglang", ["--quick"], []),
     "direct": ("bench.bench_direct", ["--quick"], []),
+    "checksum": ("bench.bench_checksum", ["--quick"], []),
 }
 # Suites that run in another environment: name -> its Python (skipped when absent).
 _ROOT = Path(__file__).resolve().parents[1]

@@ -217,7 +217,7 @@ def test_a_goal_within_the_runs_noise_is_not_reported_met():
     assert verdict([0.9, 0.95, 1.0, 1.01], 1.05) == "met"
     assert verdict([0.98, 1.02, 1.06, 1.10], 1.05) == "within noise"
     assert verdict([1.07, 1.08, 1.2, 1.3], 1.05) == "missed"
-    assert layers_within(32, 4096, 1, 16384) == 4  # 256 MiB a call at most
+    assert layers_within(32, 4096, 1, 16384) == 2  # 128 MiB a call at most
     assert layers_within(32, 16, 1, 16384) == 32
 
 
