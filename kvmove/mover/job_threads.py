@@ -10,7 +10,9 @@ daemons, and a process that exits without a shutdown runs the jobs queued until 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -20,6 +22,7 @@ __all__ = ["JobThreads", "QueuedCall"]
 
 log = logging.getLogger(__name__)
 
+BATCH_ENV = "KVMOVE_WORKERS_SCHED_BATCH"  # "0": workers keep the default policy
 _STOP = object()  # tells a worker to end
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # JobThreads not shut down, drained at exit
 
@@ -57,7 +60,17 @@ class _Shared:
         self.idle = 0  # workers waiting on the queue with no job queued for them
 
 
+def _mildly_disfavoured() -> None:
+    """Make this worker ``SCHED_BATCH`` (Linux): woken by a caller's queued job, it does not
+    preempt the caller on its core (who holds the GIL it would wait for at once); it runs
+    on an idle core, or when the caller gives its core up. Elsewhere nothing changes."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or refused
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 def _work(shared: _Shared, name: str) -> None:
+    if os.environ.get(BATCH_ENV, "1") != "0":
+        _mildly_disfavoured()
     get, lock = shared.queue.get, shared.lock
     while True:
         job = get()

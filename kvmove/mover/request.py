@@ -36,13 +36,15 @@ class Request:
     detect_exists: bool | None = None  # an evict's, for the store's put (None: its default)
     wait_for_staging: bool = True  # an evict's: False, it never waits for staging slots
     layerwise: bool = False  # a prefetch's: scattered group of layers by group
+    # device pages: the KV cache's row limit, checked on the mover's stream (check_on_device)
+    limit: int = 0
     _bad_host: torch.Tensor | None = None
     _pages_host: torch.Tensor | None = None
 
     def piece(self, first: int, last: int) -> Request:
         bad = None if self.bad is None else self.bad[first:last]
         return Request(self.keys[first:last], self.pages[first:last], self.valid[first:last],
-                       bad, self.ordered, self.detect_exists)
+                       bad, self.ordered, self.detect_exists, limit=self.limit)
 
     @property
     def put_options(self) -> dict:
@@ -53,6 +55,14 @@ class Request:
         """``pages`` as a tensor (the copy kernels' index argument), sharing its memory."""
         pages = self.pages
         return torch.from_numpy(pages) if isinstance(pages, np.ndarray) else pages
+
+    def check_on_device(self) -> None:
+        """Device pages: ``bad`` (the keys with a row out of range) made on the current
+        stream, the mover's (after the caller's event), not by kernels on the caller's
+        thread at call time."""
+        if self.limit and self.bad is None and len(self.keys):
+            pages = self.pages
+            self.bad = ((pages < -1) | (pages >= self.limit)).any(dim=1)
 
     def fetch_bad(self) -> None:
         """Enqueue the copy of a device ``bad`` mask to the host (on the current stream)."""
@@ -73,6 +83,10 @@ class Request:
         """``bad`` on the host: after :meth:`fetch_bad` and a wait for the stream."""
         if isinstance(self.bad, torch.Tensor):
             return self._bad_host.numpy()
+        if self.limit and self._pages_host is not None:  # device pages, fetched: checked here
+            host = self._pages_host.numpy()
+            out = ((host < -1) | (host >= self.limit)).any(axis=1)
+            return out if out.any() else None
         return self.bad
 
 
@@ -119,10 +133,12 @@ class RequestTaker:
         if valid.flags.writeable:  # may be the caller's memory, which it may reuse at once
             valid = valid.copy()
         limit = self.num_slots
+        device_limit = 0
         if isinstance(pages, torch.Tensor) and pages.is_cuda:
-            # copied and checked on the caller's stream: no host reads
+            # copied on the caller's stream (one copy, no host read); the range check runs
+            # where the work does, on the mover's stream (Request.check_on_device)
             pages = pages.to(torch.int64, copy=True)
-            bad = ((pages < -1) | (pages >= limit)).any(dim=1) if n else None
+            bad, device_limit = None, limit
         else:  # kept as numpy: a torch tensor is made only where a copy kernel needs one
             if isinstance(pages, torch.Tensor):
                 pages = pages.numpy()
@@ -147,7 +163,5 @@ class RequestTaker:
             if isinstance(pages, torch.Tensor):
                 stream = self.evict_stream if gathering else self.prefetch_stream
                 pages.record_stream(stream)
-                if bad is not None:
-                    bad.record_stream(stream)
         return Request(keys, pages, valid, bad, ordered, detect_exists, wait_for_staging,
-                       layerwise)
+                       layerwise, device_limit)

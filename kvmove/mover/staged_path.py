@@ -171,8 +171,9 @@ class StagedEvict(_Staged):
             if ordered is not None:
                 stream.wait_event(ordered)
             copy_pages(self.copies.gather, piece.index_tensor(), slots, None)
-            piece.fetch_bad()
-            piece.fetch_pages()  # the put job finds the padding on the host (_zero_padding)
+            # the put job finds the padding and the keys with a row out of range (the
+            # kernel skipped those rows) on the host: one copy back, no check kernels
+            piece.fetch_pages()
             event = torch.cuda.Event(blocking=True)  # a worker sleeps on it, never spins
             event.record(stream)
         return event
@@ -333,6 +334,7 @@ class StagedPrefetch(_Staged):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if ordered is not None:
                 stream.wait_event(ordered)
+            piece.check_on_device()  # device pages: on this stream, after the caller's event
             pages = piece.index_tensor()
             device_bad = isinstance(piece.bad, torch.Tensor)
             keep = None if ok.all() else ok[:, None]  # [n, 1] or [n, page_tokens]

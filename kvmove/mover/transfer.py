@@ -27,6 +27,9 @@ class CompletedEvent:
         return None
 
 
+_COMPLETED = CompletedEvent()  # stateless: one for every transfer
+
+
 class FutureEvent:
     """Stands in for a CUDA event where the work it marks is a background job on the host
     (an in-place put reading device rows): ``query()`` says whether it ended;
@@ -59,11 +62,10 @@ class StealableJob(Future):
         super().__init__()
         self._fn, self._guard = fn, guard
         self.for_layer_waiters = for_layer_waiters
-        self._claim_lock = threading.Lock()
         self._claimed = False
 
     def _claim(self) -> bool:
-        with self._claim_lock:
+        with self._condition:  # the future's own lock: no second lock made per job
             claimed, self._claimed = self._claimed, True
         return not claimed
 
@@ -238,10 +240,16 @@ class Transfer:
         self.keys = keys
         self.kind = kind
         self.device = device if device is not None else torch.device("cpu")
-        self.gathered = CompletedEvent()
+        self.gathered = _COMPLETED
         self._pieces: list[tuple[int, Future | TransferResult]] = []  # (first key, result)
         self.progress = LayerProgress(num_layers)
-        self.scattered = ScatterEvent(self.progress, self.device)
+        self._scattered = None  # made when first asked for (most callers never do)
+
+    @property
+    def scattered(self) -> ScatterEvent:
+        if self._scattered is None:  # two racing threads make equal ones: either serves
+            self._scattered = ScatterEvent(self.progress, self.device)
+        return self._scattered
 
     # -- for the mover --------------------------------------------------------------------
     def add_piece(self, first: int, piece: Future | TransferResult) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmove.mover import job_threads
 from kvmove.mover.job_threads import JobThreads, QueuedCall
 from kvmove.mover.transfer import StealableJob
 
@@ -198,3 +200,19 @@ def test_start_all_starts_every_worker_idle_and_the_jobs_use_them():
     assert not any(t.is_alive() for t in started)
     with pytest.raises(RuntimeError, match="after shutdown"):
         threads.start_all()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_workers_are_sched_batch_unless_told_not_to(monkeypatch):
+    """A worker woken by a queued job does not preempt the caller that queued it (who holds
+    the GIL): its policy is ``SCHED_BATCH``; ``KVMOVE_WORKERS_SCHED_BATCH=0`` keeps the
+    default. The caller's own policy never changes."""
+    mine = os.sched_getscheduler(0)
+    pool = JobThreads(1, "batch")
+    assert pool.submit(os.sched_getscheduler, 0).result(10) == os.SCHED_BATCH
+    pool.shutdown()
+    monkeypatch.setenv(job_threads.BATCH_ENV, "0")
+    pool = JobThreads(1, "default")
+    assert pool.submit(os.sched_getscheduler, 0).result(10) == mine
+    pool.shutdown()
+    assert os.sched_getscheduler(0) == mine

@@ -75,6 +75,25 @@ def test_without_check_out_of_range_rows_mark_their_key():
     assert isinstance(piece, Request) and piece.keys == ["b"] and piece.bad.tolist() == [True]
 
 
+def test_device_pages_are_range_checked_where_the_work_runs():
+    """Device pages carry the row limit: the mover's stream makes their ``bad`` mask
+    (``check_on_device``), or the put job reads it off the pages fetched to the host; the
+    caller's thread runs no check kernel. Shown here on CPU tensors (the same tensor ops)."""
+    pages = torch.tensor([[0, 1, 2, 3], [4, SLOTS, -1, -1], [5, 6, -2, 7]])
+    r = Request(["a", "b", "c"], pages, np.full(3, PT), None, limit=SLOTS)
+    piece = r.piece(1, 3)
+    assert piece.limit == SLOTS and piece.bad is None
+    piece.check_on_device()
+    assert piece.bad.tolist() == [True, True]
+    r.fetch_pages()  # what the gather enqueues for the put job
+    assert r.bad_on_host().tolist() == [False, True, True]
+    ok = Request(["a"], pages[:1], np.full(1, PT), None, limit=SLOTS)
+    ok.fetch_pages()
+    assert ok.bad_on_host() is None
+    ok.check_on_device()
+    assert ok.bad.tolist() == [False]
+
+
 def test_a_closed_mover_refuses_the_call():
     with pytest.raises(KVMoveError, match="closed"):
         taker(closed=True).take(["a"], torch.arange(PT).reshape(1, PT), None, True)
