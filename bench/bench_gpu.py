@@ -13,7 +13,10 @@ run (``scripts/gpu_check.sh`` runs it; on a machine without a GPU it says so and
   that steal SMs are what engine developers fear most;
 - **copy engine vs kernel**: the two-hop path (kernel into a device ring + copy engine)
   against the direct kernel by row size and page count, and the path each tuner key
-  should take (``--paths-out`` writes them as a table the user cache reads: ``paths``).
+  should take (``--paths-out`` writes them as a table the user cache reads: ``paths``);
+- **page spans**: the kernel launch of a gather/scatter of whole pages (KV rows -> staging
+  slots) in page-span mode, in row mode (the kernel before the span mode), and page spans
+  without cache hints, against a bulk copy, at 132/656/1152/4100-byte rows, 16/64 tokens.
 
 Every kvmove copy's bytes are checked once before it is timed. Every figure is the median
 of interleaved repeats (CUDA events); ratios compare figures of the same run. A refused
@@ -65,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ce-pages", type=int, nargs="+", default=[16, 256, 4096],
                    help="page counts of the copy engine vs kernel cases")
     p.add_argument("--ce-page-tokens", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--span-row-bytes", type=int, nargs="+", default=[132, 656, 1152, 4100],
+                   help="row sizes of the page-span vs row-mode cases")
+    p.add_argument("--span-page-tokens", type=int, nargs="+", default=[16, 64])
     p.add_argument("--max-calls", type=int, default=4000,
                    help="copies per timed run of the one-copy-per-page loop")
     p.add_argument("--repeats", type=int, default=7)
@@ -85,7 +91,8 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("layers", "page_tokens", "target_mib", "matmul", "max_calls", "repeats"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    for name in ("row_bytes", "per_page_tokens", "caps", "ce_pages", "ce_page_tokens"):
+    for name in ("row_bytes", "per_page_tokens", "caps", "ce_pages", "ce_page_tokens",
+                 "span_row_bytes", "span_page_tokens"):
         if any(v <= 0 for v in getattr(args, name)):
             raise SystemExit(f"--{name.replace('_', '-')} must be positive numbers")
     if 8 not in args.caps:
@@ -336,6 +343,77 @@ def measure_copy_engine(args, device) -> list[dict]:
     return records
 
 
+SPAN_MODES = {"spans": {}, "rows": {"spans": False}, "spans_no_hints": {"cache_hints": False}}
+
+
+def _page_launches(w, case, config) -> dict[str, Callable[[], None]]:
+    """Per :data:`SPAN_MODES` mode, one launch of the kernel as a gather or scatter of
+    pages makes it (KV rows and staging slots on the device, everything prepared), each
+    mode's bytes checked once."""
+    from kvmove.kernels.alignment import pow2_alignment
+    from kvmove.kernels.row_copy import copy_rows
+
+    token_pages, slots, _ = w.indices(case.pages)
+    kv_rows, slots = token_pages.reshape(-1).to(w.device), slots.to(w.device)
+    kv, staging = w.kv.row_pool.buffers["kv"], w.staging.row_pool.buffers["kv"]
+    gathering = case.direction == "gather"
+    src, dst = (kv, staging) if gathering else (staging, kv)
+    src_rows, dst_rows = (kv_rows, slots) if gathering else (slots, kv_rows)
+    layers = tuple(range(case.layers))
+    tables = src.address_table(layers, w.device), dst.address_table(layers, w.device)
+    geometry = dict(src_limit=src.num_rows, dst_limit=dst.num_rows, src_pitch=src.pitch,
+                    dst_pitch=dst.pitch, row_bytes=case.row_bytes, config=config,
+                    base_alignment=pow2_alignment(*src.device_addresses,
+                                                  *dst.device_addresses),
+                    src_page_tokens=0 if gathering else case.page_tokens,
+                    dst_page_tokens=case.page_tokens if gathering else 0)
+    fns = {}
+    for mode, options in SPAN_MODES.items():
+        def fn(options=options):
+            copy_rows(*tables, src_rows, dst_rows, None, **geometry, **options)
+        w.poison(case.direction, case.pages)
+        fn()
+        _sync(w.device)
+        w.check(case.direction, case.pages)
+        fns[mode] = fn
+    return fns
+
+
+def measure_page_spans(args, device) -> list[dict]:
+    """Page-span mode against row mode, page spans without cache hints and a bulk copy of
+    the same bytes, interleaved, per direction, row size and page size."""
+    from bench import baselines
+    from bench.cases import Case
+    from bench.workload import Workload
+    from kvmove.rows.launch_config import pick
+
+    records = []
+    for rb in args.span_row_bytes:
+        for pt in args.span_page_tokens:
+            pages = _pages_for(args, rb, pt)
+            w = Workload(rb, pt, pages, args.layers, device)
+            try:
+                for direction in ("gather", "scatter"):
+                    case = Case(direction, rb, pt, pages, args.layers)
+                    config = pick(direction, rb, pt, _gpu_name(device))
+                    fns = {**_page_launches(w, case, config),
+                           "bulk": baselines.bulk(w, case)[0]}
+                    t = _time(fns, device, args)
+                    record = {"direction": direction, "row_bytes": rb, "page_tokens": pt,
+                              "pages": pages, "layers": args.layers, "bytes": case.nbytes}
+                    for name in fns:
+                        record[f"{name}_gbps"] = t[name].gbps(case.nbytes)
+                        record[f"{name}_spread"] = t[name].spread
+                    record["spans_vs_rows"] = record["spans_gbps"] / record["rows_gbps"]
+                    record["spans_vs_bulk"] = record["spans_gbps"] / record["bulk_gbps"]
+                    records.append(record)
+            finally:
+                w.close()
+                del w
+                torch.cuda.empty_cache()
+    return records
+
+
 def _same_bytes(w, direction: str, fns: dict) -> None:
     """Each path writes what the torch backend writes: the staging of a gather (poisoned
     first), the KV rows of a scatter (the staging's pages, written back where they came
@@ -451,6 +529,16 @@ def markdown(result: dict) -> list[str]:
         out += [f"| {r['direction']} | {r['row_bytes']} | {r['page_tokens']} | {r['pages']} | "
                 f"{r['direct_gbps']:.1f} | {r['two_hop_gbps']:.1f} | {r['faster']} |"
                 for r in ce]
+    spans = result.get("page_spans", [])
+    if spans:
+        out += ["", "Kernel launches of whole pages: page-span mode vs row mode (GB/s, "
+                "spread in brackets):", "",
+                "| direction | row B | tokens | spans | rows | spans, no hints | bulk "
+                "| spans/rows | spans/bulk |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['direction']} | {r['row_bytes']} | {r['page_tokens']} | "
+                + " | ".join(f"{r[m + '_gbps']:.1f} ({r[m + '_spread']:.0%})"
+                             for m in (*SPAN_MODES, "bulk"))
+                + f" | {r['spans_vs_rows']:.2f}x | {r['spans_vs_bulk']:.2f}x |" for r in spans]
     out += ["", f"Refused copy-engine batches: {result.get('refused_batches', 0)}.", ""]
     return out
 
@@ -486,6 +574,7 @@ def run(args) -> dict:
         "layers": args.layers, "repeats": args.repeats, "warmup": args.warmup,
         "vs_bulk": vs_bulk, "vs_per_page": vs_page,
         "matmul": measure_interference(args, device),
+        "page_spans": measure_page_spans(args, device),
     }
     torch.cuda.empty_cache()
     result |= {

@@ -33,7 +33,11 @@ vLLM environment (``bash scripts/test_vllm.sh --setup-only``)::
     .venv-vllm/bin/python -m bench.bench_vllm [--quick] [--json PATH]
 
 Figures are medians of interleaved repeats (kvmove and vLLM alternate within each repeat);
-every repeat checks the loaded bytes against the saved ones. The caller waits for a
+every repeat checks the loaded bytes against the saved ones. One run measures 1, 16 and 256
+blocks (``--blocks``); each save and load is judged against >= 1.0x vLLM's
+(:mod:`bench.speedup_goal`: the median and quartiles of the per-repeat ratios; met, missed,
+or within noise where the quartiles straddle the goal). Small cases get more repeats
+(``--case-seconds``, at most ``--max-repeat``). The caller waits for a
 transfer the same way on both sides: ``Transfer.wait()``, or an event the vLLM thread sets
 after its call.
 """
@@ -55,6 +59,10 @@ from rich.table import Table
 
 import kvmove
 from bench import results
+from bench.speedup_goal import marked, paired
+
+GOAL = 1.0  # kvmove's save and load at least as fast as vLLM's own connector path
+BLOCK_COUNTS = [1, 16, 256]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -98,7 +106,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench(args) -> dict:
+def bench(args, n: int) -> dict:
+    """The figures of saves and loads of ``n`` blocks."""
     from mooncake.store import ReplicateConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
         KeyMetadata,
@@ -109,7 +118,7 @@ def bench(args) -> dict:
     from kvmove.integrations.vllm.layout import block_regions
     from kvmove.integrations.vllm.worker import block_mover, block_pages
 
-    n, bs = args.blocks, args.block_size
+    bs = args.block_size
     num_blocks = 2 * n + 1
     src = llama_like_cache(args.layers, num_blocks, args.heads, bs, args.head_dim)
     storage = src[0].untyped_storage()
@@ -129,7 +138,7 @@ def bench(args) -> dict:
         "kvmove load (layer-wise)", "vLLM load", "vLLM load (inline)",
         "kvmove load returns", "vLLM load returns")}
     thread = transfer_thread(bs)
-    segment = max(1 << 30, 4 * total * args.repeat + (256 << 20))
+    segment = max(1 << 30, 5 * total + (256 << 20))  # a round's objects (removed after it)
     with kvmove.MooncakeStore.embedded(global_segment_size=segment) as store:
         views, _ = block_regions([(f"l{i}", t) for i, t in enumerate(src)], num_blocks)
         mover = block_mover(views, store, staging_slots=n, path=args.path)  # the connector's
@@ -203,7 +212,14 @@ def bench(args) -> dict:
             "kvmove (in the step)": ("kvmove (exists query)", lambda k: kvmove_load(k, False)),
             "vLLM": ("vLLM", lambda k: on_thread(vllm_load, k)),
             "vLLM (inline)": ("vLLM (inline)", vllm_load)}
-        for r in range(args.warmup + args.repeat):
+        rounds, r = args.warmup + args.repeat, 0
+        while r < rounds:
+            if r == args.warmup:  # quick rounds: more of them, within the time budget
+                t_start = time.perf_counter()
+            if r == args.warmup + 1:
+                took = time.perf_counter() - t_start
+                rounds = args.warmup + max(args.repeat, min(args.max_repeat,
+                                                            int(args.case_seconds / took)))
             tagged = {who: keys(who) for who in saves}
             order = list(saves)
             order = order[r % len(order):] + order[:r % len(order)]  # each goes first in turn
@@ -231,12 +247,13 @@ def bench(args) -> dict:
             if r >= args.warmup:
                 for name, s in times.items():
                     rows[name].append(s)
+            r += 1
         mover.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
         "blocks": n, "layers": args.layers, "heads": args.heads, "block_size": bs,
         "head_dim": args.head_dim, "object_bytes": object_bytes, "total_bytes": total,
-        "repeats": args.repeat, "median_s": med,
+        "repeats": len(rows["kvmove save"]), "median_s": med,
         "median_GBps": {k: total / v / 1e9 for k, v in med.items()},
         "spread": {k: (max(v) - min(v)) / statistics.median(v) for k, v in rows.items()},
         "save_ratio": med["vLLM save"] / med["kvmove save"],
@@ -254,6 +271,9 @@ def bench(args) -> dict:
         "inline_ratio": {op: med[f"vLLM {op} (inline)"] / med[f"kvmove {op}"]
                          for op in ("save", "load")},
         "kvmove_path": {"save": choice.evict, "load": choice.prefetch, "why": choice.reason},
+        # against the goal: vLLM's calls on its transfer thread, as its connector makes them
+        "goal": {op: paired(rows[f"vLLM {op}"], rows[f"kvmove {op}"], GOAL)
+                 for op in ("save", "load")},
     }
 
 
@@ -270,7 +290,25 @@ def _paired(theirs: list[float], ours: list[float]) -> dict:
 
 
 def report(result: dict, console) -> None:
-    s = result["vllm"]
+    cases = result.get("vllm_cases") or [result["vllm"]]
+    for s in cases:
+        report_case(s, console)
+    table = Table(title=f"kvmove's connector against vLLM's MooncakeStoreConnector path: vLLM's "
+                        f"time / kvmove's per repeat, median (quartiles), against >= {GOAL:g}x")
+    for col in ("blocks", "MiB", "repeats", "save", "load", "kvmove path (save/load)"):
+        table.add_column(col, justify="right")
+    for s in cases:
+        path = s["kvmove_path"]
+        table.add_row(str(s["blocks"]), f"{s['total_bytes'] / 2**20:.2f}", str(s["repeats"]),
+                      marked(s["goal"]["save"]), marked(s["goal"]["load"]),
+                      f"{path['save']}/{path['load']}")
+    console.print(table)
+    verdicts = [s["goal"][op]["verdict"] for s in cases for op in ("save", "load")]
+    console.print(f"against >= {GOAL:g}x: " + ", ".join(
+        f"{verdicts.count(v)} {v}" for v in ("met", "within noise", "missed")))
+
+
+def report_case(s: dict, console) -> None:
     table = Table(title=f"vLLM connector save/load: {s['blocks']} blocks of "
                         f"{s['object_bytes'] / 1024:.0f} KiB ({s['layers']} layers x "
                         f"{s['heads']} heads x {s['block_size']} tokens x {s['head_dim']} dim, "
@@ -311,28 +349,35 @@ def report(result: dict, console) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--blocks", type=int, default=256, help="blocks per save/load")
+    p.add_argument("--blocks", type=int, nargs="+", default=BLOCK_COUNTS,
+                   help="blocks per save/load (one case per count)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--repeat", type=int, default=9, help="fewest repeats of a case")
+    p.add_argument("--max-repeat", type=int, default=60, help="most repeats of a case")
+    p.add_argument("--case-seconds", type=float, default=20.0,
+                   help="time budget of a case's repeats (beyond --repeat)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--path", choices=["auto", "staged", "in_place"], default="auto",
                    help="the mover's path (the connector's default: auto)")
-    p.add_argument("--quick", action="store_true", help="64 blocks, 5 repeats")
+    p.add_argument("--quick", action="store_true",
+                   help="the same block counts, fewer repeats")
     p.add_argument("--json", nargs="?", const=str(RESULTS / "bench_vllm.json"), default=None,
                    metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.blocks, args.repeat = 64, 5
+        args.repeat, args.max_repeat, args.case_seconds = 5, 30, 6.0
     result = {
         "benchmark": "bench_vllm", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                     "cpus": torch.get_num_threads(), "torch": torch.__version__},
         "command": " ".join(["python -m bench.bench_vllm", *(argv or sys.argv[1:])]),
-        "vllm": bench(args),
     }
+    result["vllm_cases"] = [bench(args, n) for n in args.blocks]
+    # the largest case, as bench.report reads it
+    result["vllm"] = max(result["vllm_cases"], key=lambda case: case["blocks"])
     return results.finish_suite(result, report, Path(args.json) if args.json else None)
 
 

@@ -90,6 +90,10 @@ def verdict(junit: TestCounts | None, bench: dict | None, failed_steps: list[str
         facts.append(f"benchmark goals met {len(met)}/{len(goals)}"
                      + (f" (missed: {', '.join(missed)})" if missed else ""))
         facts.append(f"{refused} refused batches")
+        spans = sorted(r["spans_vs_rows"] for r in bench.get("page_spans", []))
+        if spans:
+            facts.append(f"page spans vs row mode {spans[0]:.2f}-{spans[-1]:.2f}x "
+                         f"(median {spans[len(spans) // 2]:.2f}x, {len(spans)} cases)")
     if seconds is not None:
         facts.append(f"{seconds:.0f} s")
     passed = not problems

@@ -157,6 +157,18 @@ def suite_section(name: str, suite: dict) -> list[str]:
                 f"{'yes' if c['met'] else 'no'} |" for c in suite.get("cases", [])]
         out.append("")
         return out
+    if suite.get("benchmark") == "bench_metrics_cost":
+        out += [f"Metrics off against on: host time of one call ({suite['layers']} layers x "
+                f"{suite['row_bytes']} B, {suite['pages']} pages of {suite['page_tokens']} "
+                f"tokens; medians of {suite['rounds']} interleaved rounds):", "",
+                "| call | off µs | on µs | added µs (quartiles) | goal | met | resolved |",
+                "|---|---:|---:|---:|---:|---|---|"]
+        out += [f"| {r['op']} | {r['off_us']:.1f} | {r['on_us']:.1f} | {r['added_us']:+.2f} "
+                f"({r['added_q1_us']:+.1f} .. {r['added_q3_us']:+.1f}) | +{r['goal_us']:g} | "
+                f"{'yes' if r['met'] else 'no'} | {'yes' if r['resolved'] else 'no: noise'} |"
+                for r in suite.get("rows", [])]
+        out.append("")
+        return out
     d = suite.get("describe")
     if d:
         out += [f"- descriptors for {d['keys']} keys x {d['layers']} layers ({d['spans']} "

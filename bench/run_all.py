@@ -53,6 +53,7 @@ SUITES = {
     "sglang": ("bench.bench_sglang", ["--quick"], []),
     "direct": ("bench.bench_direct", ["--quick"], []),
     "checksum": ("bench.bench_checksum", ["--quick"], []),
+    "metrics_cost": ("bench.bench_metrics_cost", ["--quick"], []),
 }
 # Suites that run in another environment: name -> its Python (skipped when absent).
 _ROOT = Path(__file__).resolve().parents[1]

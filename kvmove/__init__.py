@@ -24,6 +24,7 @@ _EXPORTS = {
     "PageReceiver": "kvmove.direct.receiver",
     "PageSender": "kvmove.direct.sender",
     "PendingPut": "kvmove.store.mooncake_store",
+    "PreparedPages": "kvmove.rows.prepared_pages",
     "StagingBuffer": "kvmove.memory.staging",
     "StagingFull": "kvmove.errors",
     "StagingInUse": "kvmove.errors",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "copy_rows": "kvmove.rows.moves",
     "describe": "kvmove.objects.descriptors",
     "gather": "kvmove.rows.moves",
+    "prepare_pages": "kvmove.rows.prepared_pages",
     "scatter": "kvmove.rows.moves",
 }
 

@@ -11,7 +11,8 @@
 #      those marked transfer_engine where Mooncake is not installed; the verdict says how many.
 #   3. tuning for this GPU (kvmove tune --quick, at most 16 programs), then
 #   4. the GPU benchmark (bench/bench_gpu.py): vs bulk pinned copies, vs one cudaMemcpyAsync
-#      per page, matmul slowdown beside gathers, copy engine vs kernel; its goals are reported
+#      per page, matmul slowdown beside gathers, copy engine vs kernel, the kernel's page-span
+#      mode vs its row mode (132/656/1152/4100-B rows, 16/64-token pages); its goals are reported
 #      in the verdict (measurements, not failures); a refused batch there is a failure.
 #   With --full, also the kernel benchmarks, the per-call cost and the mover end to end
 #   (bench.run_all --quick --only kernels calls mover; the mover's needs Mooncake), which
@@ -163,7 +164,7 @@ step "tuning" 90 "$py" -m kvmove.cli tune --quick --time-limit 50 --row-bytes 65
   --page-tokens 64 1 16 --max-programs 16 --out "$out/tuned-$gpu.json"
 
 # -- 4. the GPU benchmark -------------------------------------------------------------------
-step "GPU benchmark" 180 "$py" -m bench.bench_gpu --quick --json "$out/bench_gpu-$gpu.json" \
+step "GPU benchmark" 240 "$py" -m bench.bench_gpu --quick --json "$out/bench_gpu-$gpu.json" \
   --paths-out "$out/paths-$gpu.json"
 if [ "$full" -eq 1 ]; then
   step "kernel benchmarks" 240 "$py" -m bench.run_all --quick --only kernels calls mover --out "$out" --no-plot

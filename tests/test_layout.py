@@ -20,6 +20,7 @@ PACKAGES = {"kvmove": ROOT / "kvmove"}
 # same level or one below.
 LEVELS = {
     "kvmove.errors": 0, "kvmove.status": 0, "kvmove.checks": 0, "kvmove.kernels": 0,
+    "kvmove.metrics": 0,
     "kvmove.memory": 1,
     "kvmove.rows": 2,
     "kvmove.objects": 3,
@@ -31,7 +32,7 @@ LEVELS = {
     "kvmove": 7,  # the package root re-exports the public API: only tools import it
 }
 ROOT_MODULES = {"__init__", "errors", "status", "checks"}
-ROOT_PACKAGES = {"kernels", "memory", "rows", "objects", "tuning", "store", "mover",
+ROOT_PACKAGES = {"kernels", "metrics", "memory", "rows", "objects", "tuning", "store", "mover",
                  "direct", "cli", "integrations"}
 
 

@@ -343,13 +343,31 @@ def run_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
         console.print("[yellow]note[/]: without a GPU the Triton backend runs in Triton's "
                       "interpreter, about a minute per decode step; --backend torch is the "
                       "CPU's fast path", soft_wrap=True)
+    served = serve_metrics(args, console)
     t0 = time.perf_counter()
     try:
         tally = run(args, console)
     except kvmove.StoreError as e:  # one line: the cause (-v shows the store's log)
         console.print(f"[bold red]store error[/]: {str(e).splitlines()[0]}", soft_wrap=True)
         return 1
-    return 0 if report(args, tally, time.perf_counter() - t0, console) else 1
+    ok = report(args, tally, time.perf_counter() - t0, console)
+    if served and args.metrics_linger > 0:
+        console.print(f"[bold]metrics[/] still served for {args.metrics_linger:g} s")
+        time.sleep(args.metrics_linger)
+    return 0 if ok else 1
+
+
+def serve_metrics(args, console: Console) -> bool:
+    """``--metrics-port`` (else ``$KVMOVE_METRICS_PORT``): serve kvmove's metrics for the
+    run (``docs/METRICS.md``)."""
+    from kvmove import metrics
+
+    if args.metrics_port is not None:
+        port = metrics.serve(args.metrics_port)
+    elif (port := metrics.enable_from_env()) is None:
+        return False
+    console.print(f"[bold]metrics[/] http://127.0.0.1:{port}/metrics", soft_wrap=True)
+    return True
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ are settled by :func:`settle_defaults` once torch is loaded."""
 from __future__ import annotations
 
 import argparse
+import os
 
 # Defaults as (with a GPU, without one).
 MACHINE_DEFAULTS = {
@@ -61,6 +62,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the top-k selection")
     p.add_argument("--device", default=None,
                    help="torch device of the KV cache (default cuda with a GPU, else cpu)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve kvmove's Prometheus metrics on http://HOST:PORT/metrics during "
+                        "the run (0: a free port, printed; default $KVMOVE_METRICS_PORT, else "
+                        "none; needs the metrics extra; see docs/METRICS.md)")
+    p.add_argument("--metrics-linger", type=float, default=0.0,
+                   help="with --metrics-port: keep serving this many seconds after the run "
+                        "(for a last scrape)")
     return p
 
 
@@ -76,6 +84,16 @@ def check(parser: argparse.ArgumentParser, args) -> None:
         value = getattr(args, name)
         if value is not None and value < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative, got {value}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if args.metrics_port is not None and args.processes > 1:
+        parser.error("--metrics-port applies to the single-process demo (--processes 1)")
+    port_env = os.environ.get("KVMOVE_METRICS_PORT", "").strip()
+    if args.metrics_port is None and port_env and not (
+            port_env.isdigit() and int(port_env) <= 65535):
+        parser.error(f"KVMOVE_METRICS_PORT must be a port number (0..65535), got {port_env!r}")
+    if args.metrics_linger < 0 or args.metrics_linger != args.metrics_linger:
+        parser.error(f"--metrics-linger must not be negative, got {args.metrics_linger}")
     if args.processes > 64:
         parser.error(f"--processes must be at most 64, got {args.processes}")
     if args.direct and args.processes < 2:
@@ -105,8 +123,6 @@ def check_store_settings(parser: argparse.ArgumentParser, args) -> None:
     """The master: ``--master``, else ``MOONCAKE_MASTER``, else an embedded one (``args.master``
     None). Every ``MOONCAKE_*`` variable is checked now, so a typo is one line, exit 2,
     before anything waits."""
-    import os
-
     from kvmove.store.config import StoreConfig
 
     if args.master is not None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvmove.direct.slots import LayerSlots
 from kvmove.direct.spans import SpanPlan
+from kvmove.metrics import record as metrics
 from kvmove.mover.transfer import StageTimes, TransferResult
 from kvmove.status import Status
 
@@ -51,9 +52,10 @@ class SendJob:
             statuses = [Status.OK if ok else Status.FAILED for ok in landed.tolist()]
             codes = [0 if ok else code for ok in landed.tolist()]
             nbytes = int(self.plan.page_bytes[landed].sum())
-            self.future.set_result(TransferResult(statuses, codes, nbytes,
-                                                  StageTimes(gather=self._gather_s,
-                                                             put=write_s)))
+            result = TransferResult(statuses, codes, nbytes,
+                                    StageTimes(gather=self._gather_s, put=write_s))
+            metrics.result("send", result)
+            self.future.set_result(result)
 
     def release(self) -> None:
         """Give the slots back (once)."""

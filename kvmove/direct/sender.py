@@ -28,6 +28,7 @@ from kvmove.direct.spans import plan_spans
 from kvmove.errors import KVMoveError, StagingFull
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import StagingBuffer
+from kvmove.metrics import record as metrics
 from kvmove.mover.transfer import Transfer, TransferResult
 from kvmove.rows.moves import copy_pages
 from kvmove.rows.prepared import prepared_copy, resolve_backend
@@ -149,8 +150,11 @@ class PageSender:
             if self._closed:
                 raise KVMoveError("the PageSender is closed")
             self._sending += 1
+        started = metrics.clock()
         try:
-            return self._send(handle, token_pages, dst_pages, layers)
+            transfer = self._send(handle, token_pages, dst_pages, layers)
+            metrics.call_done("send", started)
+            return transfer
         finally:
             with self._lock:
                 self._sending -= 1

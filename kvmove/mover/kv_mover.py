@@ -11,10 +11,17 @@ from kvmove.checks import check_layout, check_positive_int, check_seconds
 from kvmove.errors import StoreError
 from kvmove.memory.cache import KVCache
 from kvmove.memory.staging import LAYOUTS, StagingBuffer
+from kvmove.metrics import record as metrics
 from kvmove.mover.in_place_path import InPlaceEvict, InPlacePrefetch
 from kvmove.mover.lifecycle import Lifecycle, MoverStats
-from kvmove.mover.path_choice import (PathChoice, check_keep_failed_rows, check_path, log_choice,
-                                      probe, resolve)
+from kvmove.mover.path_choice import (
+    PathChoice,
+    check_keep_failed_rows,
+    check_path,
+    log_choice,
+    probe,
+    resolve,
+)
 from kvmove.mover.request import RequestTaker
 from kvmove.mover.staged_path import Copies, StagedEvict, StagedPrefetch, layer_groups
 from kvmove.mover.transfer import Transfer
@@ -50,6 +57,7 @@ class KVMover:
         staging_slots: int = 1024,
         backend: str = "auto",
         key_prefix: str = "",
+        tenant: str | None = None,
         workers: int = 2,
         alloc_timeout: float | None = 60.0,
         check: bool = True,
@@ -79,9 +87,9 @@ class KVMover:
         check_keep_failed_rows(keep_failed_rows, path)
         if raw_keys and key_prefix:
             raise ValueError(f"key_prefix must be empty with raw_keys=True, got {key_prefix!r}")
-        self.keyspace = (RawKeys() if raw_keys
+        self.keyspace = (RawKeys(tenant) if raw_keys
                          else KeySpace(kv, page_tokens, key_prefix, checksum=checksum,
-                                       layout=layout))
+                                       layout=layout, tenant=tenant))
         self.path_choice = self._choose_path(path, page_tokens, staging_slots, backend, layout,
                                              checksum, keep_failed_rows)
         wanted = "in_place" in (self.path_choice.evict, self.path_choice.prefetch)
@@ -143,6 +151,7 @@ class KVMover:
                                               alloc_timeout, prefetching=True)
         store.register(self.staging)
         log_choice(choice)
+        metrics.mover_built(self.staging, choice)
 
     def _make_path(self, path: str, stream, alloc_timeout, *,
                    prefetching: bool):
@@ -199,11 +208,14 @@ class KVMover:
         Returns once the gather is enqueued (CUDA) or done (CPU): ``Transfer.gathered``
         tells when the KV rows may be overwritten. ``detect_exists`` goes to the store's
         put; ``wait_for_staging=False`` never waits for staging slots (``docs/API.md``)."""
+        started = metrics.clock()
         request = self._requests.take(keys, token_pages, valid_tokens, True, detect_exists,
                                       wait_for_staging)
         transfer = Transfer(request.keys, kind="evict", num_layers=self._num_layers,
                             device=self.device)
-        return self._evict_path.run(request, transfer)
+        transfer = self._evict_path.run(request, transfer)
+        metrics.call_done("evict", started)
+        return transfer
 
     def prefetch(self, keys, token_pages, *, layerwise: bool = False,
                  valid_tokens=None) -> Transfer:
@@ -212,11 +224,14 @@ class KVMover:
         or failed keys are left untouched. ``layerwise=True``: ``Transfer.wait_layer(l)``
         returns once layer ``l`` is in place (:func:`layer_groups`). Returns once the work
         is scheduled; which waits run it on the waiting thread: ``docs/API.md``."""
+        started = metrics.clock()
         request = self._requests.take(keys, token_pages, valid_tokens, False,
                                       layerwise=layerwise)
         transfer = Transfer(request.keys, kind="prefetch", num_layers=self._num_layers,
                             device=self.device)
-        return self._prefetch_path.run(request, transfer)
+        transfer = self._prefetch_path.run(request, transfer)
+        metrics.call_done("prefetch", started)
+        return transfer
 
     def stats(self) -> MoverStats:
         return self._life.stats()

@@ -16,6 +16,7 @@ import torch
 
 from kvmove.errors import KVMoveError
 from kvmove.memory.staging import StagingBuffer
+from kvmove.metrics import record as metrics
 from kvmove.mover.job_threads import JobThreads
 from kvmove.mover.transfer import StealableJob, TransferResult
 from kvmove.status import Status
@@ -75,11 +76,14 @@ class Lifecycle:
 
     def start(self, job: StealableJob) -> None:
         """:meth:`submit` of a job that reports its own result: queued as it is, with no
-        second future around it."""
-        with self.lock:
-            if self.closed:
-                raise KVMoveError("the KVMover is closed")
+        second future around it, and without the mover's lock: a job queued before the
+        workers' shutdown runs before ``close()`` returns, one after it is refused."""
+        if self.closed:
+            raise KVMoveError("the KVMover is closed")
+        try:
             self.executor.start(job)
+        except RuntimeError:  # shut down meanwhile
+            raise KVMoveError("the KVMover is closed") from None
 
     @contextlib.contextmanager
     def inline_run(self):
@@ -118,6 +122,7 @@ class Lifecycle:
             else:
                 for st, k in Counter(result.statuses).items():
                     s.statuses[st] += k
+        metrics.result("evict" if put else "prefetch", result)
 
     def stats(self) -> MoverStats:
         with self.lock:

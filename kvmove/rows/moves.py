@@ -24,7 +24,7 @@ from kvmove.memory.row_pool import RowPool
 from kvmove.memory.staging import StagingBuffer
 from kvmove.rows.error_counters import new_error_counter
 from kvmove.rows.host_indices import pair_to_device
-from kvmove.rows.plan import RowPlan, plan_whole_pages
+from kvmove.rows.plan import SMALL_PLAN_ROWS, RowPlan, plan_few_pages, plan_page_rows
 from kvmove.rows.prepared import PreparedCopy, prepared_copy
 from kvmove.rows.row_numbers import page_rows
 
@@ -70,21 +70,23 @@ class PagePlan:
 def plan_pages(prepared: PreparedCopy, token_pages: torch.Tensor, slots: torch.Tensor, *,
                check: bool = False) -> PagePlan:
     """The :class:`PagePlan` of a gather (``prepared.direction == "gather"``: KV -> staging)
-    or scatter of whole pages: ``token_pages`` ``[n, page_tokens]`` KV rows, ``slots`` ``[n]``
-    staging slots, ``-1`` skips. ``check=True`` runs the checks of :func:`check_pages`
-    (as part of the planning: a plan of whole pages has every row in range already). On
-    the CPU with the torch backend, pages that are all whole move without row lists."""
+    or scatter of pages: ``token_pages`` ``[n, page_tokens]`` KV rows, ``slots`` ``[n]``
+    staging slots, ``-1`` skips. ``check=True`` runs the checks of :func:`check_pages`.
+    On the CPU with the torch backend the torch plan is made here, once, from the pages
+    (:func:`~kvmove.rows.plan.plan_few_pages` / :func:`~kvmove.rows.plan.plan_page_rows`,
+    which count what the checks need), and the copy plans nothing more."""
     gathering = prepared.gathering
     kv_rows, num_slots = prepared.kv_rows, prepared.staging_slots
-    if prepared.torch_only and prepared.parts and token_pages.is_cpu:
-        plan = plan_whole_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
-        if plan is not None:  # every row in range: only the destinations' uniqueness is left
-            # (a run of pages, e.g. fresh staging slots, names none twice: its test is kept
-            # for the copy)
-            if check and token_pages.shape[0] > 1 and plan.whole_pages_run("dst") is None:
-                check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",
-                             page_tokens=1 if gathering else prepared.page_tokens)
-            return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan
+    if prepared.torch_only and prepared.parts and token_pages.is_cpu and slots.is_cpu:
+        # One plan, made here, serves every buffer and layer (the copy plans nothing more).
+        plan = None
+        if token_pages.numel() <= SMALL_PLAN_ROWS:  # a few pages: in lists, for less
+            plan = plan_few_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
+        if plan is None:
+            plan = plan_page_rows(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
+        if check:
+            check_planned(plan, token_pages, slots, prepared)
+        return PagePlan(token_pages, token_pages, plan)  # the rows come from the plan
     if check:
         check_pages(token_pages, slots, kv_rows, num_slots, gathering=gathering)
     if prepared.direct_only:
@@ -168,14 +170,14 @@ def copy_rows(
     return errors
 
 
-def _check_pools(kv, staging) -> None:
+def check_pools(kv, staging) -> None:
     if not isinstance(kv, KVCache):
         raise TypeError(f"kv must be a kvmove.KVCache, got {type(kv).__name__}")
     if not isinstance(staging, StagingBuffer):
         raise TypeError(f"staging must be a kvmove.StagingBuffer, got {type(staging).__name__}")
 
 
-def _page_indices(prepared: PreparedCopy, token_pages, slots):
+def page_indices(prepared: PreparedCopy, token_pages, slots):
     """``token_pages`` ``[n, page_tokens]`` and ``slots`` ``[n]`` of a gather or scatter,
     checked (type, shape, device)."""
     device = prepared.device
@@ -207,6 +209,26 @@ def check_pages(token_pages: torch.Tensor, slots: torch.Tensor, kv_slots: int,
         check_unique(token_pages, "token_pages")
 
 
+def check_planned(plan: RowPlan, token_pages: torch.Tensor, slots: torch.Tensor,
+                  prepared: PreparedCopy) -> None:
+    """The checks of :func:`check_pages` on CPU pages already planned (:func:`plan_pages`):
+    the plan counted the rows out of range, and knows where the destinations are one run
+    of pages (then none is named twice)."""
+    gathering = prepared.gathering
+    if plan.errors:
+        check_pages(token_pages, slots, prepared.kv_rows, prepared.staging_slots,
+                    gathering=gathering)  # raises, naming the first bad value
+    if token_pages.shape[0] < 2 or (plan.all_whole and plan.whole_pages_run("dst") is not None):
+        return
+    if plan.all_whole:  # the destinations' page numbers: fewer values than rows
+        check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",
+                     page_tokens=1 if gathering else prepared.page_tokens)
+    elif gathering:
+        check_unique(slots, "slots")
+    else:
+        check_unique(token_pages, "token_pages")
+
+
 def gather(
     kv: KVCache,
     staging: StagingBuffer,
@@ -223,10 +245,10 @@ def gather(
     staging row is left as it was). ``slots``: ``[n]`` staging slots (``-1`` skips a page).
     Returns the int32 ``[1]`` error counter (see :func:`copy_rows`).
     """
-    _check_pools(kv, staging)
+    check_pools(kv, staging)
     prepared = prepared_copy(kv.row_pool, staging.row_pool, backend=backend,
                              direction="gather", page_tokens=staging.page_tokens)
-    token_pages, slots = _page_indices(prepared, token_pages, slots)
+    token_pages, slots = page_indices(prepared, token_pages, slots)
     errors = error_counter(errors, prepared.device)
     copy_pages(prepared, token_pages, slots, errors, check=check)
     return errors
@@ -249,10 +271,10 @@ def scatter(
     ``slots``: ``[n]`` staging slots; ``token_pages``: int32/int64 ``[n, page_tokens]`` KV
     token slots, ``-1`` = padding (that KV row is left untouched). Returns the error counter.
     """
-    _check_pools(kv, staging)
+    check_pools(kv, staging)
     prepared = prepared_copy(staging.row_pool, kv.row_pool, layers, backend=backend,
                              direction="scatter", page_tokens=staging.page_tokens)
-    token_pages, slots = _page_indices(prepared, token_pages, slots)
+    token_pages, slots = page_indices(prepared, token_pages, slots)
     errors = error_counter(errors, prepared.device)
     copy_pages(prepared, token_pages, slots, errors, check=check)
     return errors

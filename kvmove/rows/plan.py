@@ -9,6 +9,8 @@ sides. :func:`plan_rows` finds them in row lists (numpy); :func:`plan_whole_page
 the plan of a gather or scatter straight from its pages when every page is whole (a paged
 KV cache), without row lists: in numpy, or for a few pages in Python lists, which know
 their runs and never become arrays where the copy moves runs (a page into a slot).
+:func:`plan_page_rows` (numpy) and :func:`plan_few_pages` (lists) plan any pages, scattered
+token slots too, in one pass: what a gather or scatter of pages uses.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ UNIT_BYTES = 16 << 10
 
 def _as_numpy(rows: torch.Tensor) -> np.ndarray:
     """The values of an index tensor as a flat int64 numpy array (a view where possible)."""
-    a = rows.detach().reshape(-1).cpu().numpy()
+    # An index tensor on the CPU is viewed as it is (integers need no detach): fewer calls.
+    a = (rows.numpy() if rows.is_cpu else rows.detach().cpu().numpy()).reshape(-1)
     return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
@@ -323,3 +326,106 @@ def _whole_pages(rows: np.ndarray, page_tokens: int, limit: int) -> np.ndarray:
     steps[:-1] = rows[1:] - rows[:-1] == 1
     steps[-1] = True
     return ok & steps.reshape(-1, page_tokens)[:, :-1].all(axis=1)
+
+
+def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
+                   num_slots: int, *, kv_is_src: bool) -> RowPlan:
+    """The :class:`RowPlan` of a gather (``kv_is_src``) or scatter of any pages on the CPU:
+    KV token rows ``kv_pages`` ``[n, page_tokens]``, staging ``slots`` ``[n]``; ``-1``
+    skips, out-of-range rows are dropped and counted, whole pages found. One pass of array
+    arithmetic over the pages (no per-side reductions of row lists, no staging row list
+    unless a copy needs it): what :func:`plan_rows` of their rows gives, for less."""
+    n, page_tokens = kv_pages.shape
+    kv, st = _as_numpy(kv_pages), _as_numpy(slots)
+    # A negative number is a huge one unsigned: one max per side says all are in 0..limit.
+    clean = bool(kv.size) and int(kv.view(np.uint64).max()) < kv_rows \
+        and int(st.view(np.uint64).max()) < num_slots
+    keep, errors = None, 0
+    if not clean and kv.size:
+        kv_bad = (kv < -1) | (kv >= kv_rows)
+        st_bad = np.repeat((st < -1) | (st >= num_slots), page_tokens)
+        bad = kv_bad | st_bad
+        errors = int(np.count_nonzero(bad))
+        keep = (kv >= 0) & np.repeat(st >= 0, page_tokens) & ~bad
+    staging_run = _run_start(st) if keep is None else None
+
+    def staging_rows() -> np.ndarray:
+        return st if page_tokens == 1 else (st[:, None] * page_tokens
+                                            + _steps(page_tokens)).reshape(-1)
+
+    def part(kv_side: np.ndarray, st_side: np.ndarray, st_first: int | None = None,
+             known: bool = False) -> Part:
+        """A part of KV and staging units; ``known``: ``st_first`` is the staging side's
+        run (None: it is none), else it is worked out where a copy asks."""
+        runs = {("dst" if kv_is_src else "src"): st_first} if known else None
+        return Part(kv_side, st_side, runs) if kv_is_src else Part(st_side, kv_side, runs)
+
+    def rows() -> Part:
+        if keep is None:
+            return part(kv, staging_rows(),
+                        None if staging_run is None else staging_run * page_tokens, True)
+        return part(kv[keep], staging_rows()[keep])
+
+    if page_tokens == 1 or not kv.size:
+        return RowPlan(page_tokens, errors, None, False, rows, rows)
+    pages_kv = kv.reshape(n, page_tokens)
+    first = pages_kv[:, 0]
+    whole = (pages_kv == first[:, None] + _steps(page_tokens)).all(axis=1)
+    whole &= first % page_tokens == 0
+    if keep is not None:  # no skip and no bad row in a whole page
+        whole &= keep.reshape(n, page_tokens).all(axis=1)
+    count = int(np.count_nonzero(whole))
+    if count == 0:
+        return RowPlan(page_tokens, errors, None, False, rows, rows)
+    if count == n:
+        pages = part(first // page_tokens, st, staging_run, True)
+        return RowPlan(page_tokens, errors, pages, True, rows, rows)
+
+    def rest() -> Part:
+        left = np.repeat(~whole, page_tokens)
+        if keep is not None:
+            left &= keep
+        return part(kv[left], staging_rows()[left])
+
+    pages = part(first[whole] // page_tokens, st[whole])
+    return RowPlan(page_tokens, errors, pages, False, rows, rest)
+
+
+def plan_few_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
+                   num_slots: int, *, kv_is_src: bool) -> RowPlan | None:
+    """:func:`plan_page_rows` of a few pages (at most :data:`SMALL_PLAN_ROWS` rows) in Python
+    lists, from one ``tolist`` a side: whole pages as :func:`plan_whole_pages` finds them,
+    else scattered rows; None where a row or slot is ``-1`` or out of range (left to
+    :func:`plan_page_rows`). A dozen numpy calls cost more than these lists."""
+    n, page_tokens = kv_pages.shape
+    if n == 0:
+        return None
+    rows, st = kv_pages.tolist(), slots.tolist()
+    largest_page = (kv_rows - page_tokens) // page_tokens
+    found = _small_whole_pages(rows, st, page_tokens, largest_page, num_slots)
+    if found is not None:
+        pages, st, kv_run, st_run = found
+        runs = {"src": kv_run, "dst": st_run} if kv_is_src else {"src": st_run, "dst": kv_run}
+        part = Part(pages, st, runs) if kv_is_src else Part(st, pages, runs)
+        rows_of = _rows_of_pages(pages, st, page_tokens, kv_is_src)
+        return RowPlan(page_tokens, 0, part, True, rows_of, rows_of)
+    flat = [r for row in rows for r in row]
+    if min(flat) < 0 or max(flat) >= kv_rows or min(st) < 0 or max(st) >= num_slots:
+        return None
+    staged = [s * page_tokens + t for s in st for t in range(page_tokens)]
+    st_run = _list_run(st)
+    runs = {"kv": _list_run(flat), "st": None if st_run is None else st_run * page_tokens}
+    src, dst = ("kv", "st") if kv_is_src else ("st", "kv")
+    sides = {"kv": flat, "st": staged}
+    part = Part(sides[src], sides[dst], {"src": runs[src], "dst": runs[dst]})
+    return RowPlan(page_tokens, 0, None, False, lambda: part, lambda: part)
+
+
+def _rows_of_pages(pages: list[int], st: list[int], page_tokens: int, kv_is_src: bool):
+    """``() -> Part``: the rows of whole pages ``pages`` and staging slots ``st``."""
+    def rows() -> Part:
+        kv, st_ = np.asarray(pages, dtype=np.int64), np.asarray(st, dtype=np.int64)
+        kv_flat = (kv[:, None] * page_tokens + _steps(page_tokens)).reshape(-1)
+        st_flat = (st_[:, None] * page_tokens + _steps(page_tokens)).reshape(-1)
+        return Part(kv_flat, st_flat) if kv_is_src else Part(st_flat, kv_flat)
+    return rows

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmove.errors import KVMoveError, StoreError
+from kvmove.metrics import record as metrics
 from kvmove.status import CALL_TIMEOUT, TRANSFER_FAIL
 from kvmove.store.bounded_call import call_bounded, settled
 from kvmove.store.transfer_engine import Engine, TransportSettings
@@ -248,6 +249,7 @@ class Failover:
                     if replica in replicas_of(confirm.value.get(desc.keys[i])):
                         codes[i] = replica.size
         recovered = sum(1 for i in idx if codes[i] == desc.nbytes(i))
+        metrics.failover(len(idx), recovered)
         # Nothing to say where no key had a replica to try (a failed transfer with one
         # replica, or an object of another size than its destination).
         log.log(logging.WARNING if plan else logging.DEBUG,

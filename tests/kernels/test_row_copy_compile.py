@@ -9,6 +9,7 @@ without the error counter, int32 and int64 indices), and the per-call scalars ``
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ import triton
 import triton.language as tl
 
 from kvmove.kernels.configs import DEFAULTS, LaunchConfig, default_config, row_class
-from kvmove.kernels.row_copy import _copy_rows_kernel, launch_constants
+from kvmove.kernels.row_copy import (
+    _copy_rows_kernel,
+    kernel_constants,
+    launch_constants,
+    spans_apply,
+)
 
 pytest.importorskip("triton.backends.nvidia")
 from triton.backends.compiler import GPUTarget
@@ -28,11 +34,16 @@ SIGNATURE = {
     "src_table": "*i64", "dst_table": "*i64", "src_rows": "*i32", "dst_rows": "*i64",
     "errors": "*i32", "n": "i32", "src_limit": "i32", "dst_limit": "i32", "src_pitch": "i32",
     "dst_pitch": "i32", "row_words": "i32", "num_row_blocks": "i32", "num_items": "i32",
-    "WORD": "constexpr", "VEC": "constexpr", "ALIGN": "constexpr", "ROWS": "constexpr",
-    "BLOCK": "constexpr", "COUNT_ERRORS": "constexpr", "SRC_PAGE": "constexpr",
-    "DST_PAGE": "constexpr",
+    "num_layers": "i32", "span_vecs": "i32", "span_layers": "i32", "WORD": "constexpr",
+    "VEC": "constexpr", "ALIGN": "constexpr", "ROWS": "constexpr", "BLOCK": "constexpr",
+    "COUNT_ERRORS": "constexpr", "SRC_PAGE": "constexpr",
+    "DST_PAGE": "constexpr", "SPAN_WORD": "constexpr", "SPAN_VEC": "constexpr",
+    "SPAN_ALIGN": "constexpr", "SPAN_BLOCK": "constexpr", "SRC_EVICTION": "constexpr",
+    "DST_CACHE": "constexpr",
 }
-ROWS_MODE = {"SRC_PAGE": 0, "DST_PAGE": 0}  # both sides given as rows
+# Both sides given as rows, no span mode, no cache hints.
+ROWS_MODE = {"SRC_PAGE": 0, "DST_PAGE": 0, "SPAN_WORD": tl.int8, "SPAN_VEC": 1, "SPAN_ALIGN": 1,
+             "SPAN_BLOCK": 0, "SRC_EVICTION": "", "DST_CACHE": ""}
 
 
 def jit_kernel() -> JITFunction:
@@ -131,6 +142,75 @@ def test_pages_given_as_slots_compile(cls, src_page, dst_page, arch):
     assert "st.global" in kernel.asm["ptx"]
 
 
+# The page-span mode (a gather or scatter of whole pages of dense rows): for every row size,
+# odd ones included, a page of 16 or 64 rows is one 16-byte aligned span, copied in 16-byte
+# vectors; the page-slot (host staging) side's stores stream (.cs), its loads evict first.
+SPAN_ROW_BYTES = (4, 132, 576, 656, 1152, 4100)
+ODD_ROW_BYTES = (4, 132, 4100)  # rows aligned to 4 bytes only: row mode moves 4-byte words
+
+
+def launch_ptx(row_bytes: int, page_tokens: int, gathering: bool, arch: int = 90,
+               **options) -> tuple[dict, str]:
+    """The constants and the PTX of the launch ``copy_rows`` makes for a gather (KV rows ->
+    staging slots) or scatter of ``page_tokens``-row pages on 256-byte aligned layers."""
+    pages = (0, page_tokens) if gathering else (page_tokens, 0)
+    const = dict(kernel_constants(row_bytes, row_bytes, row_bytes, 256,
+                                  default_config(row_bytes), *pages, **options))
+    num_warps = const.pop("num_warps")
+    kernel = compile_sm90({**const, "COUNT_ERRORS": True}, index="i64", num_warps=num_warps,
+                          arch=arch)
+    return const, kernel.asm["ptx"]
+
+
+STREAMING_V4_STORE = re.compile(r"st\.global\.cs\.v4\.")
+EVICT_FIRST_V4_LOAD = re.compile(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.")
+
+
+@pytest.mark.parametrize("gathering", [True, False], ids=["gather", "scatter"])
+@pytest.mark.parametrize("page_tokens", [16, 64])
+@pytest.mark.parametrize("row_bytes", SPAN_ROW_BYTES)
+def test_page_spans_use_16_byte_vectors_and_streaming_hints(row_bytes, page_tokens, gathering):
+    const, ptx = launch_ptx(row_bytes, page_tokens, gathering)
+    assert const["SPAN_BLOCK"] > 0 and const["SPAN_ALIGN"] == 16
+    assert "ld.global.v4" in ptx or EVICT_FIRST_V4_LOAD.search(ptx)
+    assert "st.global.v4" in ptx or STREAMING_V4_STORE.search(ptx)
+    if gathering:  # host writes: 16-byte streaming stores
+        assert STREAMING_V4_STORE.search(ptx), "no st.global.cs.v4 on the staging side"
+        assert "ld.global.L1::evict_first" not in ptx  # the KV side keeps its caching
+    else:  # host reads: 16-byte loads that evict first; KV writes keep the default
+        assert EVICT_FIRST_V4_LOAD.search(ptx), "no evict-first ld.global.v4 on staging"
+        assert ".cs." not in ptx
+
+
+@pytest.mark.parametrize("row_bytes", ODD_ROW_BYTES)
+def test_the_16_byte_vectors_of_odd_rows_come_from_the_span_path(row_bytes):
+    """Without the span mode the same launch of 4-byte aligned rows has no 16-byte store:
+    the vectors above are the span path's."""
+    const, ptx = launch_ptx(row_bytes, 64, True, spans=False)
+    assert const["SPAN_BLOCK"] == 0 and const["ALIGN"] == 4
+    assert ".v4." not in ptx.replace("ld.global.v4", "")  # no v4 store (a table load may be)
+    assert "st.global.cs.b32" in ptx  # the row path's staging stores stream too
+
+
+def test_cache_hints_can_be_turned_off():
+    _, ptx = launch_ptx(132, 64, True, cache_hints=False)
+    assert ".cs." not in ptx and "evict_first" not in ptx and "st.global.v4" in ptx
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_page_spans_compile_for_ampere_too(arch):
+    const, ptx = launch_ptx(656, 16, False, arch=arch)
+    assert const["SPAN_BLOCK"] and "st.global.v4" in ptx
+
+
+def test_spans_apply_to_dense_power_of_two_pages_on_one_side():
+    assert spans_apply(132, 132, 132, 0, 64) and spans_apply(4100, 4100, 4100, 16, 0)
+    assert not spans_apply(132, 132, 132, 0, 1)  # one-token pages: the row path
+    assert not spans_apply(132, 132, 132, 0, 24)  # not a power of two
+    assert not spans_apply(132, 264, 132, 0, 64)  # a pitch wider than the row
+    assert not spans_apply(132, 132, 132, 0, 0) and not spans_apply(132, 132, 132, 16, 16)
+
+
 def test_the_run_sees_the_expected_triton():
     """``KVMOVE_EXPECT_TRITON`` (scripts/test_triton_versions.sh) names the version that must
     be the one imported: a wrong PYTHONPATH would otherwise test .venv's Triton again."""
@@ -147,7 +227,8 @@ def launch_args(**scalars) -> dict:
     """A launch's arguments, by name (the defaults overridden by ``scalars``)."""
     args = dict(src_table=_TABLE, dst_table=_TABLE, src_rows=_ROWS, dst_rows=_ROWS,
                 errors=_ROWS, n=1, src_limit=1000, dst_limit=1000, src_pitch=41, dst_pitch=41,
-                row_words=164, num_row_blocks=1, num_items=1, WORD=tl.int32, VEC=4, ALIGN=16,
+                row_words=164, num_row_blocks=1, num_items=1, num_layers=4, span_vecs=0,
+                span_layers=0, WORD=tl.int32, VEC=4, ALIGN=16,
                 ROWS=8, BLOCK=256, COUNT_ERRORS=True, **ROWS_MODE)
     args.update(scalars)
     return args
@@ -190,6 +271,14 @@ SPECIALISED_APART = {
     "no counting": {"COUNT_ERRORS": False},
     "source page slots": {"SRC_PAGE": 16},
     "destination page slots": {"DST_PAGE": 16},
+    "layers 16": {"num_layers": 16},
+    "span vectors 1": {"span_vecs": 1},
+    "span blocks": {"SPAN_BLOCK": 512},
+    "span words": {"SPAN_WORD": tl.int32},
+    "span vectors": {"SPAN_VEC": 4},
+    "span alignment": {"SPAN_ALIGN": 16},
+    "streaming stores": {"DST_CACHE": ".cs"},
+    "evict-first loads": {"SRC_EVICTION": "evict_first"},
 }
 
 
@@ -206,13 +295,13 @@ def test_kvmoves_launch_key_tells_apart_what_triton_specialises_apart(name):
 
     assert key(**change) != key(), f"{name}: kvmove's key misses it"
     # Calls Triton keys alike (a new batch size, an index slice) keep kvmove's key.
-    assert key(n=17, num_row_blocks=3, num_items=9, src_rows=_ROWS[1:]) == key()
+    assert key(n=17, num_row_blocks=3, num_items=9, span_layers=5, src_rows=_ROWS[1:]) == key()
 
 
 def test_per_call_scalars_are_not_specialised():
     fn = jit_kernel()
     flagged = {p.name for p in fn.params if p.do_not_specialize}
-    assert flagged >= {"n", "num_row_blocks", "num_items"}
+    assert flagged >= {"n", "num_row_blocks", "num_items", "span_layers"}
     base = specialisation()
     for value in (16, 17, 1 << 20):
         other = specialisation(n=value, num_row_blocks=value, num_items=value)

@@ -1,7 +1,8 @@
 """The row-copy kernel (through the Triton interpreter) with one side given as page slots
 moves the same bytes and counts the same errors as with that side given as the rows the
 slots stand for: for gathers (staging side: destination) and scatters (source), odd row
-sizes, several layers, skipped (-1) and bad slots and rows."""
+sizes, several layers, skipped (-1) and bad slots and rows. Page counts that are powers of
+two run the page-span mode (tests/kernels/test_page_spans.py), 3 the row mode."""
 
 from __future__ import annotations
 

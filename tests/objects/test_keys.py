@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvmove
-from kvmove.objects.keys import KeySpace, RawKeys, geometry_fingerprint
+from kvmove.objects.keys import KeySpace, RawKeys, geometry_fingerprint, tenant_head, tenant_tag
 
 
 def cache(rows=656, layers=2, dtype=torch.uint8, slots=32, names=("kv",)):
@@ -55,3 +57,49 @@ def test_raw_keys_are_used_as_given():
     assert RawKeys().store_keys(keys) == keys
     assert RawKeys().store_keys(keys) is not keys
     assert RawKeys.namespace == ""
+
+
+def test_a_tenant_is_a_namespace_of_its_own(monkeypatch):
+    monkeypatch.delenv("KVMOVE_TENANT", raising=False)
+    plain = KeySpace(cache(), 16, "m")
+    a = KeySpace(cache(), 16, "m", tenant="team-a")
+    assert a.namespace == f"{plain.namespace}/t.team-a"
+    assert a.store_keys(["p"]) == [f"kvm-{a.fingerprint}-m/t.team-a:p"]
+    assert KeySpace(cache(), 16, tenant=" team-a ").namespace == f"kvm-{a.fingerprint}/t.team-a"
+    monkeypatch.setenv("KVMOVE_TENANT", "env")
+    assert KeySpace(cache(), 16, "m").namespace == f"{plain.namespace}/t.env"
+    assert KeySpace(cache(), 16, "m", tenant="").namespace == plain.namespace
+    assert KeySpace(cache(), 16, "m", tenant="  ").tenant is None
+
+
+def test_tenant_names_outside_the_key_alphabet_are_hashed_never_written():
+    tag = tenant_tag("team a:b/ü")
+    assert tag.startswith("h.") and len(tag) == 34 and "team" not in tag
+    salt = tenant_tag(salt="secret salt")
+    assert salt.startswith("s.") and "secret" not in salt
+    assert tenant_tag("a", "x") == f"t.a+{tenant_tag(salt='x')}"
+    assert tenant_tag() == "" and tenant_head("") == ""
+    assert tenant_head("t.a") == "kvmt-t.a/"
+
+
+names = st.one_of(st.none(), st.text(min_size=1, max_size=70))
+
+
+@given(st.tuples(names, names), st.tuples(names, names))
+def test_different_tenants_and_salts_never_share_a_tag(x, y):
+    """A user's salt can never name an engine tenant's key space, nor a name another one."""
+    if x != y:
+        assert tenant_tag(*x) != tenant_tag(*y)
+
+
+def test_raw_keys_with_a_tenant_start_with_its_head(monkeypatch):
+    monkeypatch.setenv("KVMOVE_TENANT", "not-read")
+    assert RawKeys().store_keys(["k"]) == ["k"]
+    assert RawKeys("a").store_keys(["k", "l"]) == ["kvmt-t.a/k", "kvmt-t.a/l"]
+    assert RawKeys("a").namespace == "kvmt-t.a/" and RawKeys.namespace == ""
+
+
+@pytest.mark.parametrize("tenant", [1, b"a", object()])
+def test_a_tenant_of_another_type_is_refused(tenant):
+    with pytest.raises(ValueError, match="tenant must be a str or None"):
+        KeySpace(cache(), 16, tenant=tenant)

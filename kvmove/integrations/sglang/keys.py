@@ -8,25 +8,36 @@ objects:
   rank otherwise;
 - MHA: ``<page key>_<tp rank>[_<pp rank>]_k`` and ``..._v``;
 - a side pool (the DSA indexer): ``<page key>_<mla suffix>_<pool name>``.
+
+A backend of a tenant (``extra_config["tenant"]``, else ``KVMOVE_TENANT``) puts
+``kvmt-<tag>/`` before every key (docs/TENANCY.md); without one the keys are SGLang's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmove.objects.keys import resolve_tenant, tenant_head, tenant_tag
+
 
 class SGLangKeys:
-    """Key names for one SGLang rank's storage config."""
+    """Key names for one SGLang rank's storage config (and tenant, :attr:`tenant`)."""
 
     def __init__(self, storage_config):
         extra = getattr(storage_config, "extra_config", None) or {}
+        tenant = extra.get("tenant")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"extra_config tenant must be a string, got {tenant!r}")
+        self.tenant = resolve_tenant(tenant)
         parts = []
         if extra.get("extra_backend_tag") is not None:
             parts.append(str(extra["extra_backend_tag"]))
         if getattr(storage_config, "model_name", None):
             parts.append("-".join(storage_config.model_name.split("/")))
         self.prefix = "_".join(parts) if parts else None
-        self._head = "" if self.prefix is None else self.prefix + "_"  # what a key starts with
+        # what a key starts with: the tenant's head, then SGLang's prefix
+        self._head = (tenant_head(tenant_tag(self.tenant))
+                      + ("" if self.prefix is None else self.prefix + "_"))
         tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
         pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
         pp_size = int(getattr(storage_config, "pp_size", 1) or 1)

@@ -7,13 +7,15 @@ Load it by module path::
 
 One vLLM block is one kvmove row; keys are vLLM's own; a ``kvmove.KVMover`` with raw keys
 saves and loads. ``kv_connector_extra_config``: ``cache_prefix``, ``load_async``,
-``layerwise``, ``staging_bytes``, ``path``; see ``docs/API.md``, "vLLM". Lookups and saves
+``layerwise``, ``staging_bytes``, ``path``, ``tenant``, ``tenant_from_salt``; see
+``docs/API.md``, "vLLM", and ``docs/TENANCY.md``. Lookups and saves
 follow vLLM's connector (:class:`~kvmove.integrations.vllm.scheduler.SchedulerSide`). vLLM
 is imported here only; ``import kvmove`` never imports it.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvmove.integrations.vllm.metadata import KVMoveConnectorMetadata
 from kvmove.integrations.vllm.plan import loads_wait_in_forward, plan_from_vllm
 from kvmove.integrations.vllm.scheduler import SchedulerSide
+from kvmove.integrations.vllm.stats import KVMoveConnectorStats, KVMovePromMetrics, StatsSince
 from kvmove.integrations.vllm.worker import WorkerSide
 
 __all__ = ["KVMoveConnector"]
@@ -50,8 +53,12 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.plan = plan_from_vllm(vllm_config, kv_cache_config)
+        plan = plan_from_vllm(vllm_config, kv_cache_config)
+        # Tenant-safe keys (docs/TENANCY.md): the connector's tenant and requests' salts.
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.plan = replace(plan, keys=plan.keys.with_tenant(extra))
         self._side: SchedulerSide | WorkerSide
+        self._stats = StatsSince()  # docs/METRICS.md, "vLLM"
         if role == KVConnectorRole.SCHEDULER:
             self._side = SchedulerSide(self.plan, *_save_reports(vllm_config.parallel_config))
         else:
@@ -90,6 +97,17 @@ class KVMoveConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._side.close()
+
+    def get_kv_connector_stats(self) -> KVMoveConnectorStats | None:
+        return self._stats.take(getattr(self._side, "mover", None))  # the worker's mover
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVMoveConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVMovePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):

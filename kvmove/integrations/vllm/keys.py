@@ -5,13 +5,17 @@ One key per KV block::
     [cache_prefix@]{model basename}@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{pp}@group:{g}@{hash hex}
 
 where the hash is vLLM's chained block hash of that block (for a block size larger than the
-hash block size, the last hash inside the block). Pure Python: no vLLM import.
+hash block size, the last hash inside the block). A request of a tenant (the connector's
+``tenant``, its ``cache_salt``) has ``kvmt-<tag>/`` before the hash hex (docs/TENANCY.md).
+Pure Python: no vLLM import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from kvmove.objects.keys import resolve_tenant, tenant_head, tenant_tag
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,37 @@ class RankNamespace:
 
 @dataclass(frozen=True)
 class VLLMKeyFormat:
-    """The key namespace of one model and KV cache group."""
+    """The key namespace of one model and KV cache group. ``tenant``: the connector's
+    tenant (``None``: none); ``salted``: a request's ``cache_salt`` joins its tenant."""
 
     model_name: str
     group_id: int = 0
     cache_prefix: str = ""
+    tenant: str | None = None
+    salted: bool = True
+
+    def with_tenant(self, extra: dict | None) -> VLLMKeyFormat:
+        """This format with ``kv_connector_extra_config``'s ``tenant`` (else
+        ``KVMOVE_TENANT``) and ``tenant_from_salt`` (default true)."""
+        extra = extra or {}
+        salted = extra.get("tenant_from_salt", True)
+        if str(salted).lower() not in ("true", "false"):
+            raise ValueError(f"kv_connector_extra_config tenant_from_salt must be true or "
+                             f"false, got {salted!r}")
+        tenant = extra.get("tenant")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"kv_connector_extra_config tenant must be a string, got "
+                             f"{tenant!r}")
+        return replace(self, tenant=resolve_tenant(tenant),
+                       salted=str(salted).lower() == "true")
+
+    def tenant_part(self, request) -> str:
+        """What goes before the hash hex in ``request``'s keys: ``""`` (vLLM's own keys)
+        when it has no tenant, else ``kvmt-<tag>/``."""
+        salt = getattr(request, "cache_salt", None) if self.salted else None
+        if self.tenant is None and not salt:
+            return ""
+        return tenant_head(tenant_tag(self.tenant, salt))
 
     @staticmethod
     def model_basename(model: str) -> str:
@@ -46,9 +76,11 @@ class VLLMKeyFormat:
             f"@pp_rank:{ranks.pp_rank}@group:{self.group_id}"
         )
 
-    def keys(self, ranks: RankNamespace, block_hashes: Sequence[bytes]) -> list[str]:
-        """One key per block hash, for the objects of ``ranks``."""
-        head = self.prefix(ranks) + "@"
+    def keys(self, ranks: RankNamespace, block_hashes: Sequence[bytes],
+             tenant_part: str = "") -> list[str]:
+        """One key per block hash, for the objects of ``ranks`` (of the tenant whose
+        :meth:`tenant_part` is given)."""
+        head = self.prefix(ranks) + "@" + tenant_part
         return [head + bytes(h).hex() for h in block_hashes]
 
 

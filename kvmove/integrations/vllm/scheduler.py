@@ -130,7 +130,8 @@ class SchedulerSide:
         if len(hashes) <= first:
             return 0
         namespaces = plan.lookup_namespaces()
-        keys = [k for ns in namespaces for k in plan.keys.keys(ns, hashes)]
+        part = plan.keys.tenant_part(request)  # "" without a tenant: vLLM's own keys
+        keys = [k for ns in namespaces for k in plan.keys.keys(ns, hashes, part)]
         try:
             found = list(self.store.exists(keys))
         except Exception as e:  # an unreachable master: no hit, never a failed request
@@ -168,10 +169,11 @@ class SchedulerSide:
         if num_external_tokens > 0:
             bs = self.plan.block_size
             first, end = computed // bs, hit // bs
-            # Hash hex only: each worker puts its own rank namespace in front.
+            # Tenant part and hash hex: each worker puts its own rank namespace in front.
             hashes = self.plan.hashes(request)[first:end]
+            part = self.plan.keys.tenant_part(request)
             state.load = BlockTransfer(request.request_id,
-                                       [h.hex() for h in hashes],
+                                       [part + h.hex() for h in hashes],
                                        state.block_ids[first:end], first)
             if self.plan.load_async:
                 self._to_load.append(request.request_id)
@@ -236,8 +238,9 @@ class SchedulerSide:
             return
         first, state.saved_blocks = state.saved_blocks, full
         absent = state.absent is not None and state.absent[0] <= first and full <= state.absent[1]
+        part = self.plan.keys.tenant_part(state.request)
         meta.saves.append(BlockTransfer(state.request.request_id,
-                                        [h.hex() for h in hashes[first:full]],
+                                        [part + h.hex() for h in hashes[first:full]],
                                         state.block_ids[first:full], first,
                                         absent_at_lookup=absent))
 

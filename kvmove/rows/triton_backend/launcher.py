@@ -11,6 +11,7 @@ import torch
 from kvmove.kernels.alignment import pow2_alignment
 from kvmove.kernels.configs import LaunchConfig
 from kvmove.memory.row_pool import BufferRows
+from kvmove.metrics import record as metrics
 from kvmove.rows.launch_config import config_for
 
 
@@ -49,3 +50,4 @@ def launch(args: KernelArgs, src_rows: torch.Tensor, dst_rows: torch.Tensor,
               src_limit=s.num_rows, dst_limit=d.num_rows, src_pitch=s.pitch, dst_pitch=d.pitch,
               row_bytes=s.row_bytes, base_alignment=args.alignment, config=args.config,
               src_page_tokens=pages[0], dst_page_tokens=pages[1])
+    metrics.programs(args.config.max_programs)

@@ -2,7 +2,8 @@
 
 ``python -m tests.integrations.vllm.engine_run SPEC.json OUT.json``; SPEC: ``model`` (a
 directory), ``connector`` (``null`` or a ``kv_transfer_config`` dict), ``block_size``, ``dtype``,
-``phases``: a list of ``{"name", "prompts": [[ids]], "faults": mode or null}``,
+``phases``: a list of ``{"name", "prompts": [[ids]], "faults": mode or null}`` (a prompt may
+be a ``TokensPrompt`` dict instead, e.g. with a ``cache_salt``),
 ``max_tokens``. OUT: per phase, per prompt, the token ids, their logprobs and
 ``num_cached_tokens``; rewritten after every phase, so the phases before a crash keep their
 results. A process of its own: vLLM's engine spawns workers and must start under
@@ -33,7 +34,8 @@ def run(spec: dict, out_path: str) -> None:
         if phase.get("faults") is not None:
             with open(os.environ["KVMOVE_TEST_FAULTS"], "w") as f:
                 json.dump({"mode": phase["faults"]}, f)
-        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]],
+        results = llm.generate([TokensPrompt(**p) if isinstance(p, dict)
+                                else TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]],
                                params, use_tqdm=False)
         out[phase["name"]] = [
             {

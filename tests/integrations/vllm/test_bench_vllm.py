@@ -17,11 +17,19 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_bench_vllm_small(tmp_path):
     out = tmp_path / "bench_vllm.json"
     subprocess.run(
-        [sys.executable, "-m", "bench.bench_vllm", "--blocks", "8", "--layers", "2",
-         "--heads", "2", "--repeat", "2", "--warmup", "0", "--json", str(out)],
+        [sys.executable, "-m", "bench.bench_vllm", "--blocks", "1", "8", "--layers", "2",
+         "--heads", "2", "--repeat", "2", "--max-repeat", "3", "--case-seconds", "0",
+         "--warmup", "0", "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
-    v = result["vllm"]
+    assert [c["blocks"] for c in result["vllm_cases"]] == [1, 8]
+    for case in result["vllm_cases"]:  # each save and load judged against >= 1.0x vLLM's
+        assert case["repeats"] == 2
+        for op in ("save", "load"):
+            goal = case["goal"][op]
+            assert goal["goal"] == 1.0 and goal["q1"] <= goal["median"] <= goal["q3"]
+            assert goal["verdict"] in ("met", "missed", "within noise")
+    v = result["vllm"]  # the largest case
     assert v["blocks"] == 8 and v["object_bytes"] == 2 * 2 * 16 * 2 * 64 * 2
     assert set(v["median_s"]) == {
         "kvmove save", "kvmove save (exists query)", "vLLM save", "vLLM save (inline)",
