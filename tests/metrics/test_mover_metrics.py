@@ -4,6 +4,8 @@ code, host and copy times are histograms, staging and path are reported."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -31,7 +33,7 @@ def test_exported_bytes_are_the_bytes_moved(registry, store, keyspace, row, laye
     kv = kvmove.KVCache({"kv": torch.randint(0, 256, (layers, slots, row), dtype=torch.uint8)})
     src = torch.arange(pages * page_tokens).reshape(pages, page_tokens)
     dst = src + pages * page_tokens
-    keys = keyspace(pages)
+    keys = keyspace(pages, tag=f"k{uuid.uuid4().hex[:8]}-")  # new keys for every example
     with kvmove.KVMover(kv, store, page_tokens=page_tokens, staging_slots=4,
                         path="staged") as mover:
         assert mover.evict(keys, src).wait(30) == [kvmove.Status.OK] * pages
