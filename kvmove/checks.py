@@ -21,6 +21,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 INDEX_NUMPY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 # Up to this many rows, index checks run on Python lists (fewer fixed costs than numpy's).
 SMALL_ROWS = 256
+# check_unique marks values in a table of flags (instead of sorting them) where the values'
+# bound is at most this many times their count.
+UNIQUE_TABLE_PER_ROW = 16
 
 
 def check_index_array(value: np.ndarray, name: str, *, dim: int) -> np.ndarray:
@@ -108,11 +111,13 @@ def has_repeats(values: np.ndarray) -> bool:
 
 
 def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
-                 page_tokens: int = 1) -> None:
+                 page_tokens: int = 1, limit: int | None = None) -> None:
     """No destination row named twice (``-1`` excepted): the result would depend on order.
     ``rows`` may be page numbers of whole pages of ``page_tokens`` rows (the message names
     the page's first row), or a list of them (a few pages: a set costs less than numpy's
-    calls, the more so on cold caches)."""
+    calls, the more so on cold caches). ``limit``: every value is known to be ``-1`` or
+    below it (checked already): where it is not many times the count, one mark per value
+    in a table of ``limit`` flags replaces the sort."""
     if isinstance(rows, list):
         if len(set(rows)) == len(rows):
             return
@@ -120,6 +125,12 @@ def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
     a = host_values(rows)
     if a.shape[0] < 2 or bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
         return
+    if limit is not None and limit <= UNIQUE_TABLE_PER_ROW * a.shape[0]:
+        kept = a[a >= 0]
+        seen = np.zeros(limit, dtype=np.bool_)
+        seen[kept] = True
+        if int(np.count_nonzero(seen)) == kept.size:
+            return  # (else the sort below names the first repeat)
     kept = np.sort(a[a >= 0])
     dups = kept[1:][kept[1:] == kept[:-1]]
     if dups.size:

@@ -227,3 +227,22 @@ def test_check_seconds_accepts_what_it_says():
     assert checks.check_seconds(None, "t", none_ok=True) is None
     with pytest.raises(ValueError, match="or None"):
         checks.check_seconds(float("inf"), "t", none_ok=True)
+
+
+@given(values=st.lists(st.integers(-1, 40), max_size=60), extra=st.integers(0, 2000))
+def test_check_unique_with_a_bound_agrees_with_the_sort(values, extra):
+    """Values known to be -1 or below ``limit``: the table of flags (small limits) and the
+    sort (large ones) accept and refuse the same rows, naming the same first repeat."""
+    rows = np.array(values, dtype=np.int64)
+    try:
+        checks.check_unique(rows, "rows")
+        expected = None
+    except ValueError as e:
+        expected = str(e)
+    for limit in (41, 41 + extra):
+        try:
+            checks.check_unique(rows, "rows", limit=limit)
+            got = None
+        except ValueError as e:
+            got = str(e)
+        assert got == expected

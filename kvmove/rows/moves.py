@@ -222,11 +222,13 @@ def check_planned(plan: RowPlan, token_pages: torch.Tensor, slots: torch.Tensor,
         return
     if plan.all_whole:  # the destinations' page numbers: fewer values than rows
         check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",
-                     page_tokens=1 if gathering else prepared.page_tokens)
-    elif gathering:
-        check_unique(slots, "slots")
+                     page_tokens=1 if gathering else prepared.page_tokens,
+                     limit=prepared.staging_slots if gathering
+                     else prepared.kv_rows // prepared.page_tokens)
+    elif gathering:  # the plan counted no bad value: every one is -1 or in range
+        check_unique(slots, "slots", limit=prepared.staging_slots)
     else:
-        check_unique(token_pages, "token_pages")
+        check_unique(token_pages, "token_pages", limit=prepared.kv_rows)
 
 
 def gather(

@@ -54,12 +54,12 @@ def _run_start(rows: np.ndarray) -> int | None:
 
 class Part:
     """One set of ``src[i] -> dst[i]`` copies in a unit (a row, or several rows). Each side's
-    unit numbers are an int64 numpy array, or a list made one on first use (a plan of a few
-    pages that copies runs never needs them)."""
+    unit numbers are an int64 numpy array, or a list or ``range`` made one on first use (a
+    plan of a few pages that copies runs never needs them)."""
 
     __slots__ = ("_runs", "_sides", "_tensors", "count", "moves")
 
-    def __init__(self, src: np.ndarray | list[int], dst: np.ndarray | list[int],
+    def __init__(self, src: np.ndarray | list[int] | range, dst: np.ndarray | list[int] | range,
                  runs: dict[str, int | None] | None = None):
         self._sides = {"src": src, "dst": dst}
         self.count = len(src)
@@ -77,12 +77,15 @@ class Part:
         values = self._sides[side]
         if isinstance(values, list):
             values = self._sides[side] = np.array(values, dtype=np.int64)
+        elif isinstance(values, range):
+            values = self._sides[side] = np.arange(values.start, values.stop, dtype=np.int64)
         return values
 
     def listed(self, side: str) -> np.ndarray | list[int]:
         """The unit numbers of ``side`` as they are held: a list where the plan was made from
         one and no copy has needed an array yet."""
-        return self._sides[side]
+        values = self._sides[side]
+        return list(values) if isinstance(values, range) else values
 
     @property
     def src(self) -> np.ndarray:
@@ -275,16 +278,10 @@ def _small_whole_pages(rows: list[list[int]], slots: list[int], page_tokens: int
     """:func:`plan_whole_pages`'s test on a few pages, in Python: ``(page numbers, slots,
     first page of the pages' run or None, first slot of the slots' run or None)`` where
     every page is an aligned run in range and every slot in range, else None."""
-    if page_tokens == 1:
-        pages = [row[0] for row in rows]
-    else:
-        pages = []
-        for row in rows:
-            first = row[0]
-            if first % page_tokens or row != list(range(first, first + page_tokens)):
-                return None  # not aligned, not a run, or padded with -1
-            pages.append(first // page_tokens)
-    if min(pages) < 0 or max(pages) > largest_page or min(slots) < 0 or max(slots) >= num_slots:
+    pages = [row[0] for row in rows] if page_tokens == 1 \
+        else _aligned_pages(rows, page_tokens, largest_page)
+    if pages is None or min(pages) < 0 or max(pages) > largest_page or min(slots) < 0 \
+            or max(slots) >= num_slots:
         return None
     return pages, slots, _list_run(pages), _list_run(slots)
 
@@ -393,32 +390,59 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
 
 def plan_few_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
                    num_slots: int, *, kv_is_src: bool) -> RowPlan | None:
-    """:func:`plan_page_rows` of a few pages (at most :data:`SMALL_PLAN_ROWS` rows) in Python
-    lists, from one ``tolist`` a side: whole pages as :func:`plan_whole_pages` finds them,
-    else scattered rows; None where a row or slot is ``-1`` or out of range (left to
-    :func:`plan_page_rows`). A dozen numpy calls cost more than these lists."""
+    """:func:`plan_page_rows` of a few pages (at most :data:`SMALL_PLAN_ROWS` rows): whole
+    pages as :func:`plan_whole_pages` finds them, else scattered rows; None where a row or
+    slot is ``-1`` or out of range (left to :func:`plan_page_rows`). A dozen numpy calls
+    cost more than these lists (from one ``tolist`` a side); a run of staging slots stays a
+    ``range``: no staging row list is made where the copy moves into or out of that run."""
     n, page_tokens = kv_pages.shape
     if n == 0:
         return None
-    rows, st = kv_pages.tolist(), slots.tolist()
-    largest_page = (kv_rows - page_tokens) // page_tokens
-    found = _small_whole_pages(rows, st, page_tokens, largest_page, num_slots)
-    if found is not None:
-        pages, st, kv_run, st_run = found
+    st = slots.tolist()
+    if min(st) < 0 or max(st) >= num_slots:
+        return None
+    st_run = _list_run(st)
+    if page_tokens == 1:  # one-token pages are their rows: whole where in range
+        # one flat list from a reshape, or below 8 pages (where the reshape costs more than
+        # it saves) the first of each row
+        pages = kv_pages.reshape(-1).tolist() if n >= 8 else [r[0] for r in kv_pages.tolist()]
+        if min(pages) < 0 or max(pages) >= kv_rows:
+            return None
+    else:
+        rows = kv_pages.tolist()
+        pages = _aligned_pages(rows, page_tokens, (kv_rows - page_tokens) // page_tokens)
+    if pages is not None:
+        kv_run = _list_run(pages)
         runs = {"src": kv_run, "dst": st_run} if kv_is_src else {"src": st_run, "dst": kv_run}
         part = Part(pages, st, runs) if kv_is_src else Part(st, pages, runs)
-        rows_of = _rows_of_pages(pages, st, page_tokens, kv_is_src)
+        rows_of = (lambda: part) if page_tokens == 1 else _rows_of_pages(pages, st, page_tokens,
+                                                                          kv_is_src)
         return RowPlan(page_tokens, 0, part, True, rows_of, rows_of)
     flat = [r for row in rows for r in row]
-    if min(flat) < 0 or max(flat) >= kv_rows or min(st) < 0 or max(st) >= num_slots:
+    if min(flat) < 0 or max(flat) >= kv_rows:
         return None
-    staged = [s * page_tokens + t for s in st for t in range(page_tokens)]
-    st_run = _list_run(st)
+    if st_run is None:
+        staged: list[int] | range = [s * page_tokens + t for s in st for t in range(page_tokens)]
+    else:  # one run of slots is one run of rows: no list of them
+        staged = range(st_run * page_tokens, (st_run + n) * page_tokens)
     runs = {"kv": _list_run(flat), "st": None if st_run is None else st_run * page_tokens}
     src, dst = ("kv", "st") if kv_is_src else ("st", "kv")
     sides = {"kv": flat, "st": staged}
     part = Part(sides[src], sides[dst], {"src": runs[src], "dst": runs[dst]})
     return RowPlan(page_tokens, 0, None, False, lambda: part, lambda: part)
+
+
+def _aligned_pages(rows: list[list[int]], page_tokens: int, largest_page: int
+                   ) -> list[int] | None:
+    """The page numbers of ``rows`` (each ``page_tokens`` KV rows) where every one is an
+    aligned run ``p * page_tokens ..`` with ``0 <= p <= largest_page``, else None."""
+    pages = []
+    for row in rows:
+        first = row[0]
+        if first % page_tokens or row != list(range(first, first + page_tokens)):
+            return None  # not aligned, not a run, or padded with -1
+        pages.append(first // page_tokens)
+    return pages if min(pages) >= 0 and max(pages) <= largest_page else None
 
 
 def _rows_of_pages(pages: list[int], st: list[int], page_tokens: int, kv_is_src: bool):

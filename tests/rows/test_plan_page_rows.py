@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvmove
-from kvmove.rows.plan import Part, plan_page_rows, plan_rows
+from kvmove.rows.plan import SMALL_PLAN_ROWS, Part, plan_few_pages, plan_page_rows, plan_rows
 from kvmove.rows.row_numbers import page_rows
 from tests.support.caches import ROW_BYTES
 
@@ -75,6 +75,39 @@ def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, ga
             start = part.run(side)
             if start is not None:
                 assert part.values(side).tolist() == list(range(start, start + len(part)))
+
+
+@SETTINGS
+@given(data=st.data(), page_tokens=st.sampled_from([1, 2, 4, 16]), gathering=st.booleans(),
+       clean=st.booleans())
+def test_plan_few_pages_moves_what_plan_page_rows_moves(data, page_tokens, gathering, clean):
+    """The list plan of a few pages (whole, scattered; slots a run or not) moves the same
+    pairs as the numpy plan, and every run it claims is one; it declines (None) only where
+    some row or slot is -1 or out of range."""
+    kv_rows, num_slots = 64 * page_tokens, 50
+    token_pages, slots = data.draw(pages_and_slots(kv_rows, num_slots, page_tokens))
+    if clean:  # no -1 and nothing out of range: the plan of few pages must take them
+        token_pages = token_pages.clamp(0, kv_rows - 1)
+        slots = slots.clamp(0, num_slots - 1)
+    n = max(1, SMALL_PLAN_ROWS // page_tokens)
+    token_pages, slots = token_pages[:n], slots[:n]
+    few = plan_few_pages(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
+    reference = plan_page_rows(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
+    valid = (token_pages >= 0).all() and (token_pages < kv_rows).all() \
+        and (slots >= 0).all() and (slots < num_slots).all()
+    assert (few is not None) == bool(valid)
+    if few is None:
+        return
+    assert few.errors == 0
+    assert moved_pairs(few, page_tokens) == moved_pairs(reference, page_tokens)
+    for part in (few.rows, *((few.units(page_tokens),) if few.some_whole else ())):
+        for side in ("src", "dst"):  # a run it claims is one, and none is missed
+            start = part.run(side)
+            values = part.values(side).tolist()
+            assert values == (list(range(start, start + len(part))) if start is not None
+                              else values)
+            if start is None and len(values) > 1:
+                assert values != list(range(values[0], values[0] + len(values)))
 
 
 @pytest.mark.parametrize("cache", ["stacked", "per_layer"])

@@ -114,7 +114,6 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
             return
     if not direct:
         s0 = d0 = None
-    wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
     layer_bytes = m * unit * src.row_bytes
     if d0 is not None:
         # numpy first: a memcpy per unit on this thread beats one index_select of every
@@ -127,6 +126,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
             take_into_run(*arrays, layers, part.src, d0, threads,
                           apart=threads < 2 or src.apart_from(dst))
             return
+    wide = shared_wide_type(src, dst, unit)  # fewer elements: small copies stay serial
+    if d0 is not None:
         small = layer_bytes * len(layers) <= stacked_select_max_bytes()
         s3 = src.stacked_units(layers, unit, wide) if stack and small else None
         d3 = dst.stacked_units(layers, unit, wide) if s3 is not None else None
