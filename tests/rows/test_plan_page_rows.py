@@ -104,9 +104,9 @@ def test_plan_few_pages_moves_what_plan_page_rows_moves(data, page_tokens, gathe
         for side in ("src", "dst"):  # a run it claims is one, and none is missed
             start = part.run(side)
             values = part.values(side).tolist()
-            assert values == (list(range(start, start + len(part))) if start is not None
-                              else values)
-            if start is None and len(values) > 1:
+            if start is not None:
+                assert values == list(range(start, start + len(part)))
+            elif len(values) > 1:
                 assert values != list(range(values[0], values[0] + len(values)))
 
 
