@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvmove.kernels import row_copy
 from kvmove.kernels.alignment import pow2_alignment
 from kvmove.kernels.configs import INTERPRETER_CONFIG
+from tests.support.indices import first_only
 
 pytestmark = [pytest.mark.usefixtures("triton_interpreter"), pytest.mark.interpreter]
 
@@ -68,16 +69,6 @@ def oracle_copy(src, dst, kv_rows: list[int], slots: list[int], page_tokens: int
             else:
                 dst[:, kv] = src[:, staged]
     return errors
-
-
-def first_only(values: list[int], limit: int) -> list[int]:
-    """``values`` with each repeat of an in-range value (``0 <= v < limit``) made -1: two
-    copies to one destination race, in the kernel as on a GPU."""
-    seen, out = set(), []
-    for v in values:
-        out.append(-1 if 0 <= v < limit and v in seen else v)
-        seen.add(v)
-    return out
 
 
 @st.composite
