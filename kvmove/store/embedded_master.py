@@ -170,6 +170,16 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _seconds(name: str, value, *, zero_ok: bool) -> float:
+    """``value`` as float seconds (> 0, or >= 0 with ``zero_ok``), else ``ValueError`` naming
+    ``name`` (kept here, not kvmove.checks: the CLI imports this module without torch)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            (value >= 0 if zero_ok else value > 0) and value < float("inf")):
+        raise ValueError(f"{name} must be {'>= 0' if zero_ok else 'positive'} seconds, "
+                         f"got {value!r}")
+    return float(value)
+
+
 def free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct free TCP ports on ``host`` (held open together while chosen)."""
     socks = []
@@ -258,11 +268,17 @@ class _LogFile:
 
 def _stop_process(proc: subprocess.Popen, logfile: _LogFile, grace: float,
                   owner_pid: int | None = None) -> None:
-    """Terminate, then kill, ``proc``; remove its log unless ``logfile.keep``. Does nothing
-    in a forked child (``owner_pid`` is the process that started ``proc``)."""
+    """Terminate, then kill after ``grace`` seconds, ``proc`` (``grace`` 0: kill it at once);
+    remove its log unless ``logfile.keep``. Does nothing in a forked child (``owner_pid`` is
+    the process that started ``proc``)."""
     if owner_pid is not None and os.getpid() != owner_pid:
         return
-    if proc.poll() is None:
+    if proc.poll() is None and grace <= 0:  # a private master: its objects die with it
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        if not _exited(proc, 5.0):
+            log.error("mooncake_master pid %d survived SIGKILL for 5 s", proc.pid)
+    elif proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         if not _exited(proc, grace):
@@ -329,7 +345,9 @@ def _tail(path: str, lines: int = 20) -> str:
 class EmbeddedMaster:
     """A ``mooncake_master`` child process listening on free loopback ports. ``kv_lease_ttl_ms``,
     ``client_ttl_s`` (:data:`DEFAULT_CLIENT_TTL_S`; ``None``: Mooncake's 10 s) and
-    ``extra_args`` go to the master; ``start_timeout``, ``keep_log``, ``log_to_stderr``,
+    ``extra_args`` go to the master; ``start_timeout``, ``stop_timeout`` (seconds from
+    ``SIGTERM`` to ``SIGKILL``; 0: ``SIGKILL`` at once, which spares the second Mooncake's
+    master takes to exit after ``SIGTERM``), ``keep_log``, ``log_to_stderr``,
     ``host``, ``rpc_port`` / ``metrics_port`` (default: free ones). A fixed port in use, or a
     host not this machine's, raises :class:`kvmove.StoreError` before anything starts.
     ``address`` is the ``host:port`` to give a client as its master address."""
@@ -364,8 +382,8 @@ class EmbeddedMaster:
                 check_bindable(host, port)
         if rpc_port is None or metrics_port is None:
             check_bindable(host, 0)
-        self.stop_timeout = stop_timeout
-        self.start_timeout = start_timeout
+        self.stop_timeout = _seconds("stop_timeout", stop_timeout, zero_ok=True)
+        self.start_timeout = _seconds("start_timeout", start_timeout, zero_ok=False)
         path = None
         if not log_to_stderr:
             fd, path = tempfile.mkstemp(prefix="kvmove-mooncake-master-", suffix=".log")
@@ -494,7 +512,8 @@ class EmbeddedMaster:
         return _tail(self.log_path, lines)
 
     def stop(self) -> None:
-        """Stop the master (SIGTERM, then SIGKILL after ``stop_timeout``). Idempotent."""
+        """Stop the master (SIGTERM, then SIGKILL after ``stop_timeout``; 0: SIGKILL).
+        Idempotent."""
         if self._finalizer is not None:
             self._finalizer()
 

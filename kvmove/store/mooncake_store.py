@@ -213,8 +213,10 @@ class MooncakeStore:
             raise ValueError("embedded() starts its own master; do not pass master_address")
         values = {**EMBEDDED_DEFAULTS, **overrides}
         StoreConfig.from_dict({**values, "master_address": "127.0.0.1:1"})  # validate first
+        # Private to this store, its objects go with it: killed at close, not asked to stop
+        # (Mooncake's master takes 1 s to exit after SIGTERM).
         master = EmbeddedMaster(kv_lease_ttl_ms=kv_lease_ttl_ms, client_ttl_s=client_ttl_s,
-                                extra_args=master_args)
+                                extra_args=master_args, stop_timeout=0)
         try:
             return cls(StoreConfig.from_dict({**values, "master_address": master.address}),
                        _master=master)

@@ -46,6 +46,32 @@ def test_start_and_stop():
     master.stop()  # idempotent
 
 
+def test_stop_asks_then_kills_and_a_zero_grace_kills_at_once():
+    asked = EmbeddedMaster(stop_timeout=5.0)
+    asked.stop()
+    assert asked.returncode == 0  # it ended on its own after SIGTERM
+    killed = EmbeddedMaster(stop_timeout=0)
+    pid, log_path = killed.pid, killed.log_path
+    killed.stop()
+    assert killed.returncode == -9 and _wait_gone(pid) and not os.path.exists(log_path)
+
+
+def test_the_store_kills_its_private_master_at_close():
+    import kvmove
+
+    store = kvmove.MooncakeStore.embedded()
+    master = store.master
+    store.close()
+    assert master.returncode == -9 and not master.running
+
+
+@pytest.mark.parametrize("name, value", [("stop_timeout", -1), ("stop_timeout", "5"),
+                                         ("start_timeout", 0), ("start_timeout", None)])
+def test_bad_timeouts_are_named_before_anything_starts(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        EmbeddedMaster(**{name: value})
+
+
 def test_failed_start_quotes_the_log():
     with pytest.raises(StoreError, match="no_such_flag") as err:
         EmbeddedMaster(extra_args=["--no_such_flag=1"])
