@@ -22,6 +22,7 @@ import kvmove
 from kvmove import Status
 from kvmove.status import CALL_TIMEOUT
 from kvmove.store.bounded_call import (
+    IDLE_TICK_S,
     CallRunner,
     SpanBudget,
     Watchdog,
@@ -259,6 +260,33 @@ def test_the_watchdog_wakes_for_an_earlier_deadline_and_survives_a_raising_callb
         assert [f[0] for f in fired] == ["short"] and fired[0][1] < 0.4
         assert dog.disarm("long") is True  # still armed: returned in time
         assert dog.disarm("short") is False  # given up on
+    finally:
+        dog.stop()
+
+
+class _CountingCondition(threading.Condition):
+    waits = 0
+
+    def wait(self, timeout=None):
+        type(self).waits += 1
+        return super().wait(timeout)
+
+
+def test_calls_one_after_the_other_do_not_wake_the_watchdog_each_and_a_late_one_still_fires():
+    dog = Watchdog(timeout=30.0, name="test-ticking-dog")
+    dog._cond = _CountingCondition(dog._lock)
+    try:
+        for i in range(200):  # the hot path: each call returns before the next is armed
+            dog.arm(i, lambda: None)
+            time.sleep(0.001)  # the watchdog's thread gets the GIL meanwhile
+            assert dog.disarm(i) is True
+        assert _CountingCondition.waits <= 1 + 2 * (1 + int(0.5 / IDLE_TICK_S)), \
+            _CountingCondition.waits  # one wake for the first call, then ticks at most
+        fired = []
+        t0 = time.monotonic()
+        dog.arm("late", lambda: fired.append(time.monotonic() - t0), timeout=0.1)
+        time.sleep(0.5)
+        assert len(fired) == 1 and fired[0] < 0.4 and dog.disarm("late") is False
     finally:
         dog.stop()
 
