@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvmove.checks import (
+    INDEX_NUMPY_DTYPES,
     as_index_tensor,
     check_index_array,
     check_keys,
@@ -104,6 +105,21 @@ class RequestTaker:
         self.evict_stream = evict_stream  # CUDA only, else None
         self.prefetch_stream = prefetch_stream
 
+    def _host_view(self, token_pages) -> np.ndarray | None:
+        """A CPU mover's fast path: ``token_pages``, a plain CPU tensor of int32/int64 in two
+        dimensions, as a numpy view (each torch attribute read costs a µs or two on a
+        caller's thread that a copy just left cold; numpy's are cheaper). ``None`` for
+        anything else: :func:`as_index_tensor` takes it, or names what is wrong."""
+        if self.evict_stream is not None or type(token_pages) is not torch.Tensor:
+            return None
+        try:
+            view = token_pages.numpy()  # raises for a device tensor
+        except (TypeError, RuntimeError):
+            return None
+        if view.ndim != 2 or view.dtype not in INDEX_NUMPY_DTYPES:
+            return None
+        return view
+
     def take(self, keys, token_pages, valid_tokens, gathering: bool,
              detect_exists: bool | None = None, wait_for_staging: bool = True,
              layerwise: bool = False) -> Request:
@@ -120,7 +136,7 @@ class RequestTaker:
         n = len(keys)
         if isinstance(token_pages, np.ndarray):  # taken as it is, no tensor made
             pages = check_index_array(token_pages, "token_pages", dim=2)
-        else:
+        elif (pages := self._host_view(token_pages)) is None:
             pages = as_index_tensor(token_pages, "token_pages", dim=2, device=self.device)
         if pages.shape[0] != n:
             raise ValueError(f"token_pages has {pages.shape[0]} pages for {n} keys")
