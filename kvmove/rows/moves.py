@@ -213,12 +213,13 @@ def check_planned(plan: RowPlan, token_pages: torch.Tensor, slots: torch.Tensor,
                   prepared: PreparedCopy) -> None:
     """The checks of :func:`check_pages` on CPU pages already planned (:func:`plan_pages`):
     the plan counted the rows out of range, and knows where the destinations are one run
-    of pages (then none is named twice)."""
+    of pages or rows (then none is named twice)."""
     gathering = prepared.gathering
     if plan.errors:
         check_pages(token_pages, slots, prepared.kv_rows, prepared.staging_slots,
                     gathering=gathering)  # raises, naming the first bad value
-    if token_pages.shape[0] < 2 or (plan.all_whole and plan.whole_pages_run("dst") is not None):
+    if token_pages.shape[0] < 2 or plan.distinct_dst or (
+            plan.all_whole and plan.whole_pages_run("dst") is not None):
         return
     if plan.all_whole:  # the destinations' page numbers: fewer values than rows
         check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",

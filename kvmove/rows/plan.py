@@ -119,14 +119,17 @@ class RowPlan:
     :class:`Part` of units of ``page_tokens`` rows). Built by :func:`plan_rows` (from row
     lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
 
-    __slots__ = ("_make_rest", "_make_rows", "_rest", "_rows", "_units", "all_whole", "errors",
-                 "page_tokens")
+    __slots__ = ("_make_rest", "_make_rows", "_rest", "_rows", "_units", "all_whole",
+                 "distinct_dst", "errors", "page_tokens")
 
     def __init__(self, page_tokens: int, errors: int, pages: Part | None, all_whole: bool,
-                 rows, rest):
+                 rows, rest, *, distinct_dst: bool = False):
         self.page_tokens = page_tokens
         self.errors = errors  # out-of-range rows, skipped
         self.all_whole = all_whole
+        # The planner saw that no destination row is named twice (the destination rows are
+        # one run, say): the duplicate check has nothing left to look at.
+        self.distinct_dst = distinct_dst
         self._make_rows, self._make_rest = rows, rest  # () -> Part, on first use
         self._rows: Part | None = None
         self._rest: Part | None = None
@@ -335,8 +338,16 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     n, page_tokens = kv_pages.shape
     kv, st = _as_numpy(kv_pages), _as_numpy(slots)
     # A negative number is a huge one unsigned: one max per side says all are in 0..limit.
-    clean = bool(kv.size) and int(kv.view(np.uint64).max()) < kv_rows \
-        and int(st.view(np.uint64).max()) < num_slots
+    slots_ok = bool(st.size) and int(st.view(np.uint64).max()) < num_slots
+    # Pages of a paged KV cache (the usual case), found without a pass over every row for
+    # their range: each page's first row in range and every step inside a page one (then
+    # every row is in range: no step can wrap around). The index arrays are cold by the
+    # time a large copy plans (the last copy evicted them): every pass over them counts.
+    first = kv[::page_tokens] if page_tokens > 1 else kv
+    paged = (page_tokens > 1 and slots_ok
+             and int(first.view(np.uint64).max()) <= kv_rows - page_tokens
+             and _all_aligned_runs(kv, first, page_tokens))
+    clean = paged or (slots_ok and bool(kv.size) and int(kv.view(np.uint64).max()) < kv_rows)
     keep, errors = None, 0
     if not clean and kv.size:
         kv_bad = (kv < -1) | (kv >= kv_rows)
@@ -363,10 +374,15 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
                         None if staging_run is None else staging_run * page_tokens, True)
         return part(kv[keep], staging_rows()[keep])
 
+    # Staging rows are one run where the slots are (and nothing is dropped): distinct.
+    distinct = kv_is_src and staging_run is not None
     if page_tokens == 1 or not kv.size:
-        return RowPlan(page_tokens, errors, None, False, rows, rows)
+        return RowPlan(page_tokens, errors, None, False, rows, rows, distinct_dst=distinct)
     pages_kv = kv.reshape(n, page_tokens)
-    first = pages_kv[:, 0]
+    if paged:
+        # every page whole (a paged KV cache): no mask of whole pages to make
+        pages = part(first // page_tokens, st, staging_run, True)
+        return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct)
     whole = (pages_kv == first[:, None] + _steps(page_tokens)).all(axis=1)
     whole &= first % page_tokens == 0
     if keep is not None:  # no skip and no bad row in a whole page
@@ -376,7 +392,7 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         return RowPlan(page_tokens, errors, None, False, rows, rows)
     if count == n:
         pages = part(first // page_tokens, st, staging_run, True)
-        return RowPlan(page_tokens, errors, pages, True, rows, rows)
+        return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct)
 
     def rest() -> Part:
         left = np.repeat(~whole, page_tokens)
@@ -386,6 +402,20 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
 
     pages = part(first[whole] // page_tokens, st[whole])
     return RowPlan(page_tokens, errors, pages, False, rows, rest)
+
+
+def _all_aligned_runs(kv: np.ndarray, first: np.ndarray, page_tokens: int) -> bool:
+    """Whether every page of the flat KV rows ``kv`` (``page_tokens > 1`` rows each, the
+    first rows ``first`` in range: a step that wraps around int64 then never reads one) is
+    the aligned run ``p * page_tokens ..``: each page's first row a multiple of
+    ``page_tokens``, and each step inside a page one. Flat
+    passes over the rows (a comparison broadcast over ``[n, page_tokens]`` and its
+    reduction along rows cost 3-4x as much: numpy's inner loops are one page long)."""
+    if bool((first % page_tokens).any()):
+        return False
+    steps = kv[1:] - kv[:-1]
+    steps[page_tokens - 1::page_tokens] = 1  # from one page to the next: any step
+    return bool((steps == 1).all())
 
 
 def plan_few_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
@@ -399,9 +429,11 @@ def plan_few_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     if n == 0:
         return None
     st = slots.tolist()
-    if min(st) < 0 or max(st) >= num_slots:
-        return None
     st_run = _list_run(st)
+    # a run is in range where its ends are (no scan of every slot, twice)
+    low, high = (st_run, st[-1]) if st_run is not None else (min(st), max(st))
+    if low < 0 or high >= num_slots:
+        return None
     if page_tokens == 1:  # one-token pages are their rows: whole where in range
         # one flat list from a reshape, or below 8 pages (where the reshape costs more than
         # it saves) the first of each row

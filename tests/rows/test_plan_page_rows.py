@@ -169,3 +169,108 @@ def test_checks_of_scattered_pages_raise_before_writing():
     errors = kvmove.gather(kv, staging, [[7, 300, 9, 1]], [2], check=False)
     assert int(errors) == 1  # skipped and counted
     staging.close()
+
+
+@st.composite
+def paged_pages(draw, kv_pages: int, page_tokens: int, num_slots: int):
+    """Pages of a paged KV cache (each the aligned run of a KV page) and their slots, as the
+    plan's fast test of whole pages sees them, with at most one page spoiled: shifted off
+    its alignment, two rows swapped, one row moved by a page, one row -1, or one row out of
+    range; slots a run or scattered (distinct or not)."""
+    n = draw(st.integers(1, min(kv_pages, 40)))
+    pages = draw(st.lists(st.integers(0, kv_pages - 1), min_size=n, max_size=n, unique=True))
+    rows = [[p * page_tokens + t for t in range(page_tokens)] for p in pages]
+    spoil = draw(st.sampled_from(["none", "shift", "swap", "row", "skip", "out"]))
+    i = draw(st.integers(0, n - 1))
+    t = draw(st.integers(0, page_tokens - 1))
+    if spoil == "shift" and rows[i][-1] + 1 < kv_pages * page_tokens:
+        rows[i] = [r + 1 for r in rows[i]]  # a run, not aligned
+    elif spoil == "swap" and page_tokens > 1:
+        u = (t + 1) % page_tokens
+        rows[i][t], rows[i][u] = rows[i][u], rows[i][t]
+    elif spoil == "row":
+        rows[i][t] = (rows[i][t] + page_tokens) % (kv_pages * page_tokens)
+    elif spoil == "skip":
+        rows[i][t] = -1
+    elif spoil == "out":
+        rows[i][t] = kv_pages * page_tokens
+    if draw(st.booleans()):
+        start = draw(st.integers(0, num_slots - n))
+        slots = list(range(start, start + n))
+    else:
+        slots = draw(st.lists(st.integers(0, num_slots - 1), min_size=n, max_size=n))
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    return torch.tensor(rows, dtype=dtype), torch.tensor(slots, dtype=dtype)
+
+
+@SETTINGS
+@given(data=st.data(), page_tokens=st.sampled_from([2, 4, 16, 64]), gathering=st.booleans())
+def test_plan_of_paged_pages_finds_whole_pages_as_planning_the_rows_does(data, page_tokens,
+                                                                        gathering):
+    """Whole pages (the flat test of aligned runs) and the distinct destinations the plan
+    claims: as the row lists' plan finds them, one spoiled page or none."""
+    kv_pages, num_slots = 48, 50
+    kv_rows = kv_pages * page_tokens
+    token_pages, slots = data.draw(paged_pages(kv_pages, page_tokens, num_slots))
+    plan = plan_page_rows(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
+    kv, staged = token_pages.reshape(-1), page_rows(slots, page_tokens)
+    limits = (kv_rows, num_slots * page_tokens)
+    src, dst = (kv, staged) if gathering else (staged, kv)
+    reference = plan_rows(src, dst, *(limits if gathering else limits[::-1]), page_tokens)
+    assert plan.errors == reference.errors
+    assert plan.all_whole == reference.all_whole
+    assert moved_pairs(plan, page_tokens) == moved_pairs(reference, page_tokens)
+    if plan.distinct_dst:  # no destination row named twice
+        rows = plan.rows.dst.tolist()
+        assert len(set(rows)) == len(rows)
+
+
+@pytest.mark.parametrize("cache", ["stacked", "per_layer"])
+@SETTINGS
+@given(data=st.data(), row_bytes=st.sampled_from(ROW_BYTES),
+       page_tokens=st.sampled_from([4, 16]))
+def test_paged_pages_gather_and_scatter_the_right_bytes(cache, data, row_bytes, page_tokens):
+    """Pages of a paged KV cache, one maybe spoiled (-1, a moved or swapped row, off its
+    alignment): gather and scatter move exactly the named rows, for odd row sizes."""
+    layers, kv_pages, num_slots = 3, 24, 30
+    kv_rows = kv_pages * page_tokens
+    token_pages, slots = data.draw(paged_pages(kv_pages, page_tokens, num_slots))
+    token_pages = token_pages.clamp(-1, kv_rows - 1)  # no bad index: checks would raise
+    n = token_pages.shape[0]
+    if len(set(slots.tolist())) < n:  # a gather's slots are distinct
+        slots = torch.arange(n, dtype=slots.dtype)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    shape = (layers, kv_rows, row_bytes)
+    data_kv = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    kv = kvmove.KVCache({"kv": data_kv if cache == "stacked" else list(data_kv.clone())})
+    staging = kvmove.StagingBuffer(kv, num_slots=num_slots, page_tokens=page_tokens)
+    staged = staging.tensor("kv").view(layers, num_slots * page_tokens, row_bytes)
+    staged.copy_(torch.randint(0, 256, staged.shape, dtype=torch.uint8, generator=g))
+    want = staged.clone()
+    kvmove.gather(kv, staging, token_pages, slots)
+    named = [(slot * page_tokens + t, r) for p, slot in enumerate(slots.tolist())
+             for t, r in enumerate(token_pages[p].tolist()) if r >= 0]
+    for s, r in named:
+        want[:, s] = data_kv[:, r]
+    assert torch.equal(staged, want)
+    written = [r for _, r in named]
+    if len(set(written)) == len(written):  # scatter: a KV row written once
+        other = kvmove.KVCache({"kv": [torch.zeros(kv_rows, row_bytes, dtype=torch.uint8)
+                                       for _ in range(layers)]})
+        kvmove.scatter(staging, slots, other, token_pages)
+        expect = torch.zeros(shape, dtype=torch.uint8)
+        for s, r in named:
+            expect[:, r] = staged[:, s]
+        assert torch.equal(torch.stack([other.layer("kv", i) for i in range(layers)]), expect)
+    staging.close()
+
+
+@pytest.mark.parametrize("slots", [[-1, 0, 1], [48, 49, 50], [-2, -1], [49, 50]])
+@pytest.mark.parametrize("page_tokens", [1, 4])
+def test_plan_few_pages_declines_a_run_of_slots_that_leaves_the_staging(slots, page_tokens):
+    """A run of slots is range-checked by its ends: a run starting at -1 or ending past the
+    staging is left to plan_page_rows (which skips and counts), as any other bad slot."""
+    n, num_slots = len(slots), 50
+    token_pages = torch.arange(n * page_tokens).reshape(n, page_tokens)
+    assert plan_few_pages(token_pages, torch.tensor(slots), 64 * page_tokens, num_slots,
+                          kv_is_src=True) is None

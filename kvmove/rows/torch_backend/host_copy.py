@@ -92,9 +92,9 @@ def threads_sleep(environ, spin_variables=tuple(SPIN_VARIABLES)) -> bool:
 def threads_for(layer_bytes: int, layers: int) -> int:
     """How many threads share a host copy of ``layer_bytes`` in each of ``layers`` layers
     (1: the calling thread alone); 0 where torch's calls are faster."""
-    if threads_spin():
+    threads = torch.get_num_threads()  # once: threads_spin() asks it too
+    if threads > 1 and not _threads_sleep():  # threads_spin()
         return 1 if layer_bytes <= SPINNING_THREADS_MAX_BYTES else 0
-    threads = torch.get_num_threads()
     return max(1, min(threads, layer_bytes * layers // SPLIT_MIN_BYTES))
 
 
@@ -115,15 +115,20 @@ def take_into_run(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
     (:meth:`BufferRows.apart_from`; else on this thread). ``src_units`` must be in range
     (it is not checked again: ``clip`` mode writes ``out`` directly, where ``raise`` mode
     would copy through a buffer)."""
-    threads = threads if apart else 1
+    count = len(src_units)
+    if threads < 2 or not apart or count < 2:  # on this thread: no split to set up
+        end = start + count
+        for i in layers:
+            # the method, not np.take: one call, no dispatch through fromnumeric
+            src[i].take(src_units, axis=0, out=dst[i][start:end], mode="clip")
+        return
 
     def copy(a: int, b: int) -> None:
         units = src_units[a:b]
         for i in layers:
-            # the method, not np.take: one call, no dispatch through fromnumeric
             src[i].take(units, axis=0, out=dst[i][start + a:start + b], mode="clip")
 
-    _run_split(copy, len(src_units), threads)
+    _run_split(copy, count, threads)
 
 
 def put_units(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...],
