@@ -123,14 +123,19 @@ def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
             return
         rows = np.array(rows, dtype=np.int64)
     a = host_values(rows)
-    if a.shape[0] < 2 or bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
+    n = a.shape[0]
+    if n < 2:
         return
-    if limit is not None and limit <= UNIQUE_TABLE_PER_ROW * a.shape[0]:
-        kept = a[a >= 0]
-        seen = np.zeros(limit, dtype=np.bool_)
-        seen[kept] = True
-        if int(np.count_nonzero(seen)) == kept.size:
+    if limit is not None and limit <= UNIQUE_TABLE_PER_ROW * n:
+        # One mark per value, no mask of the kept ones made: a -1 marks the extra last
+        # flag. Distinct where the rows marked are as many as the rows not -1 (no
+        # "increasing" pre-test either: scattered rows, the usual case here, fail it).
+        seen = np.zeros(limit + 1, dtype=np.bool_)
+        seen[a] = True
+        if int(np.count_nonzero(seen[:limit])) == n - int(np.count_nonzero(a < 0)):
             return  # (else the sort below names the first repeat)
+    elif bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
+        return
     kept = np.sort(a[a >= 0])
     dups = kept[1:][kept[1:] == kept[:-1]]
     if dups.size:
