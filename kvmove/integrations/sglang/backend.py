@@ -145,7 +145,15 @@ class KVMoveStorage(HiCacheStorage):
     def _describe(self, view: PoolView, object_keys: list[list[str]], host_indices):
         """Descriptors of every object of the pages ``host_indices``: component by
         component (``object_keys[c]`` names component ``c``'s objects, made by
-        :class:`SGLangKeys`: non-empty strings). The pages are checked here, once."""
+        :class:`SGLangKeys`: non-empty strings). The pages are checked here, once. Objects
+        of one span each are worked out from the view's :class:`PageSpans` (a few pages:
+        in Python ints, checked there)."""
+        spans = view.spans
+        if spans is not None:
+            pages = spans.few_pages(host_indices, len(object_keys[0]))
+            if pages is None:
+                pages = self._pages(view, object_keys, host_indices)
+            return spans.describe(object_keys, pages)
         pages = self._pages(view, object_keys, host_indices)
         if len(view.components) == 1:
             pool = view.components[0]
@@ -208,7 +216,8 @@ class KVMoveStorage(HiCacheStorage):
     @staticmethod
     def _per_page(statuses, n: int, ok=(kvmove.Status.OK,)) -> list[bool]:
         """A page succeeds when every one of its objects did (objects component-major)."""
-        if n and sum(map(statuses.count, ok)) == len(statuses):  # all good: passes in C
+        if n and (statuses.count(ok[0]) if len(ok) == 1 else sum(map(statuses.count, ok))
+                  ) == len(statuses):  # all good: passes in C
             return [True] * n
         good = np.fromiter((s in ok for s in statuses), dtype=bool, count=len(statuses))
         return good.reshape(-1, n).all(axis=0).tolist() if n else []
@@ -236,6 +245,8 @@ class KVMoveStorage(HiCacheStorage):
         rows, as with SGLang's own backend."""
         if not keys:
             return []
+        if not self.figures.enabled:
+            return self._per_page(self._kv_call(keys, host_indices, put=False), len(keys))
         t0 = time.perf_counter()
         statuses = self._kv_call(keys, host_indices, put=False)
         self.figures.moved(statuses, len(keys), self.kv,
@@ -248,6 +259,9 @@ class KVMoveStorage(HiCacheStorage):
         all stored."""
         if not keys:
             return []
+        if not self.figures.enabled:
+            return self._per_page(self._kv_call(keys, host_indices, put=True), len(keys),
+                                  ok=_DONE)
         t0 = time.perf_counter()
         statuses = self._kv_call(keys, host_indices, put=True)
         self.figures.moved(statuses, len(keys), self.kv,

@@ -55,6 +55,9 @@ class SGLangKeys:
         """Per component (MLA: one, MHA: k then v), the object key of every page (one pass
         over the keys per component: prefix and suffix in one string)."""
         head = self._head
+        if len(self.suffixes) == 1:  # MLA: one comprehension, not two nested
+            suffix = self.suffixes[0]
+            return [[f"{head}{k}{suffix}" for k in keys]]
         return [[f"{head}{k}{suffix}" for k in keys] for suffix in self.suffixes]
 
     def side_objects(self, keys: Sequence[str], pool_name: str) -> list[str]:
