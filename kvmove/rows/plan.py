@@ -389,7 +389,7 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         whole &= keep.reshape(n, page_tokens).all(axis=1)
     count = int(np.count_nonzero(whole))
     if count == 0:
-        return RowPlan(page_tokens, errors, None, False, rows, rows)
+        return RowPlan(page_tokens, errors, None, False, rows, rows, distinct_dst=distinct)
     if count == n:
         pages = part(first // page_tokens, st, staging_run, True)
         return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct)
@@ -401,7 +401,7 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         return part(kv[left], staging_rows()[left])
 
     pages = part(first[whole] // page_tokens, st[whole])
-    return RowPlan(page_tokens, errors, pages, False, rows, rest)
+    return RowPlan(page_tokens, errors, pages, False, rows, rest, distinct_dst=distinct)
 
 
 def _all_aligned_runs(kv: np.ndarray, first: np.ndarray, page_tokens: int) -> bool:
