@@ -55,16 +55,25 @@ def pages_and_slots(draw, kv_rows: int, num_slots: int, page_tokens: int):
     return torch.tensor(pages, dtype=dtype), torch.tensor(slots, dtype=dtype)
 
 
-@SETTINGS
-@given(data=st.data(), page_tokens=st.sampled_from([1, 2, 4, 16]), gathering=st.booleans())
-def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, gathering):
-    kv_rows, num_slots = 64 * page_tokens, 50
-    token_pages, slots = data.draw(pages_and_slots(kv_rows, num_slots, page_tokens))
+def plan_and_reference(token_pages, slots, kv_rows: int, num_slots: int, page_tokens: int,
+                       gathering: bool):
+    """The plan of ``token_pages`` and ``slots``, the plan of the row lists they stand for
+    (the reference), those row lists (source, destination) and their limits (KV, staging)."""
     plan = plan_page_rows(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
     kv, staged = token_pages.reshape(-1), page_rows(slots, page_tokens)
     limits = (kv_rows, num_slots * page_tokens)
     src, dst = (kv, staged) if gathering else (staged, kv)
     reference = plan_rows(src, dst, *(limits if gathering else limits[::-1]), page_tokens)
+    return plan, reference, src, dst, limits
+
+
+@SETTINGS
+@given(data=st.data(), page_tokens=st.sampled_from([1, 2, 4, 16]), gathering=st.booleans())
+def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, gathering):
+    kv_rows, num_slots = 64 * page_tokens, 50
+    token_pages, slots = data.draw(pages_and_slots(kv_rows, num_slots, page_tokens))
+    plan, reference, src, dst, limits = plan_and_reference(token_pages, slots, kv_rows,
+                                                           num_slots, page_tokens, gathering)
     assert plan.errors == reference.errors
     assert moved_pairs(plan, page_tokens) == moved_pairs(reference, page_tokens)
     assert sorted(moved_pairs(plan, page_tokens)) == sorted(
@@ -212,17 +221,19 @@ def test_plan_of_paged_pages_finds_whole_pages_as_planning_the_rows_does(data, p
     kv_pages, num_slots = 48, 50
     kv_rows = kv_pages * page_tokens
     token_pages, slots = data.draw(paged_pages(kv_pages, page_tokens, num_slots))
-    plan = plan_page_rows(token_pages, slots, kv_rows, num_slots, kv_is_src=gathering)
-    kv, staged = token_pages.reshape(-1), page_rows(slots, page_tokens)
-    limits = (kv_rows, num_slots * page_tokens)
-    src, dst = (kv, staged) if gathering else (staged, kv)
-    reference = plan_rows(src, dst, *(limits if gathering else limits[::-1]), page_tokens)
+    plan, reference, *_ = plan_and_reference(token_pages, slots, kv_rows, num_slots,
+                                             page_tokens, gathering)
     assert plan.errors == reference.errors
     assert plan.all_whole == reference.all_whole
     assert moved_pairs(plan, page_tokens) == moved_pairs(reference, page_tokens)
     if plan.distinct_dst:  # no destination row named twice
         rows = plan.rows.dst.tolist()
         assert len(set(rows)) == len(rows)
+    slot_list = slots.tolist()
+    one_run = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
+    kept_all = bool(((token_pages >= 0) & (token_pages < kv_rows)).all())
+    # claimed where it is known at no cost: a gather into one run of slots, nothing dropped
+    assert plan.distinct_dst == (gathering and one_run and kept_all)
 
 
 @pytest.mark.parametrize("cache", ["stacked", "per_layer"])
