@@ -185,13 +185,12 @@ class Watchdog:
     :meth:`arm` s its call (a token) with what to do then, and :meth:`disarm` s it when the
     call returns; past the call's timeout the watchdog runs ``on_late()`` on its own
     thread (the call itself runs on to its end on the caller's). ``timeout`` is
-    :meth:`arm`'s default. The thread sleeps until the first deadline armed: a call that
-    returns in time costs it no wake-up of its own (the thread wakes at most once per
-    deadline it slept towards, and once when a call is armed while nothing else is). While
-    calls come and go it wakes every :data:`IDLE_TICK_S` instead, so that a call armed
-    after the last one returned (the hot path: one call at a time) does not wake it: on a
-    2-vCPU VM that wake, and the GIL it takes, cost the call beside it 35-48 µs; once no
-    call was armed for a tick it sleeps until one is."""
+    :meth:`arm`'s default. The thread sleeps until the first deadline armed, so a call that
+    returns in time costs it no wake-up of its own. With nothing armed it sleeps
+    :data:`IDLE_TICK_S` while calls come and go (else a call armed after the last one
+    returned, the hot path's one call at a time, would wake it: a thread switch and a GIL
+    hand-off beside the call), and without end once a tick passed with none armed; a call
+    armed then, or one due before the thread wakes, wakes it."""
 
     def __init__(self, timeout: float | None = None, name: str = "kvmove-watchdog"):
         self.timeout = timeout
