@@ -14,10 +14,15 @@ from pathlib import Path
 
 from bench.bench_in_place import SUMMARY_COLUMNS, summary_rows
 from bench.results import load
+from bench.speedup_goal import MET, MISSED
 from bench.summary import (
+    FLOOR_AS_CALLED,
+    FLOOR_PLAIN,
     LABELS,
     PRIMITIVE,
     cache_of,
+    floor_counts,
+    floor_figures,
     fmt_ratio,
     headlines,
     largest_cases,
@@ -95,6 +100,7 @@ def markdown(data: dict, source: str | None = None) -> str:
         lines = direction_table(records, direction)
         if lines:
             out += [f"**{direction}** ({arrow})", "", *lines, ""]
+    out += floor_section(records)
     heads = headlines(data)
     if heads:
         out += ["Headline figures from this run (targets are goals, not test assertions):", ""]
@@ -107,6 +113,31 @@ def markdown(data: dict, source: str | None = None) -> str:
     for name, suite in data.get("suites", {}).items():
         out += suite_section(name, suite)
     return "\n".join(out)
+
+
+def floor_section(records: list[dict]) -> list[str]:
+    """The torch floor (CPU runs): the verdict counts, and every shape not met with its
+    figure, quartiles and the run's spread (markdown lines; none without torch figures)."""
+    figures = floor_figures(records)
+    if not figures:
+        return []
+    counts = floor_counts(figures)
+    out = [f"**The torch floor**: the torch backend against the primitive calls it makes, "
+           f"made plainly (goal ≥ {FLOOR_AS_CALLED:g}x), and against a plain per-layer "
+           f"`{PRIMITIVE['gather']}` / `{PRIMITIVE['scatter']}` (goal ≥ {FLOOR_PLAIN:g}x), "
+           "at every case of the run: the baseline's time over torch's in each repeat, "
+           "median (quartiles); met when the lower quartile reaches the goal, missed when the "
+           f"upper one falls short. {counts['met']} met, {counts['within noise']} within "
+           f"noise, {counts['missed']} missed of {len(figures)}.", ""]
+    rest = [f for f in figures if f.verdict != MET]
+    if rest:
+        out += ["| shape | against | goal | ratio (quartiles) | verdict | spread |",
+                "|---|---|---:|---:|---|---:|"]
+        out += [f"| {f.shape()} | {LABELS.get(f.baseline, f.baseline)} | {f.goal:g}x | "
+                f"{f.median:.2f}x ({f.q1:.2f}-{f.q3:.2f}) | {f.verdict} | "
+                f"{'-' if f.spread is None else f'{f.spread:.2f}'} |" for f in rest]
+        out.append("")
+    return out
 
 
 def _gbps_table(figures: dict[str, float]) -> list[str]:
@@ -331,6 +362,11 @@ def behind(data: dict) -> list[str]:
                            f"{r['page_tokens']}-token pages, {r['pages']} pages, "
                            f"{cache_of(r).replace('_', '-')} cache: {LABELS[mine[0]]} at "
                            f"{fmt_ratio(value)} of {LABELS.get(base, base)}{_noted(noise)}")
+    for f in floor_figures(data.get("kernels", [])):
+        if f.verdict == MISSED:
+            out.append(f"- torch floor, {f.shape()}: {f.median:.2f}x "
+                       f"{LABELS.get(f.baseline, f.baseline)} (quartiles {f.q1:.2f}-"
+                       f"{f.q3:.2f}), goal ≥ {f.goal:g}x")
     for h in headlines(data):
         if h.behind:
             out.append(f"- {h.text}: {fmt_ratio(h.value)}, target {h.target:g}x"

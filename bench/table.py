@@ -6,9 +6,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from bench.speedup_goal import MET, marked
 from bench.summary import (
     LABELS,
     cache_of,
+    floor_counts,
+    floor_figures,
     fmt_ratio,
     headlines,
     methods_of,
@@ -51,6 +54,31 @@ def summary_table(records: list[dict]) -> Table:
     return table
 
 
+def floor_table(records: list[dict]) -> Table | None:
+    """The torch floor (CPU): every shape where torch does not meet its goal against the
+    primitive calls it makes or the plain per-layer index op (met ones are counted in the
+    title), with the per-repeat ratios' median, quartiles and verdict, and the run's spread.
+    None where the run has no torch figures."""
+    figures = floor_figures(records)
+    if not figures:
+        return None
+    counts = floor_counts(figures)
+    table = Table(title=f"torch floor: baseline time / torch time per repeat, median "
+                        f"(quartiles) against the goal; {counts['met']} met, "
+                        f"{counts['within noise']} within noise, {counts['missed']} missed "
+                        f"of {len(figures)} (only those not met are listed)",
+                  title_justify="left")
+    for col in ("shape", "against", "goal", "ratio", "spread"):
+        table.add_column(col, justify="left" if col in ("shape", "against") else "right")
+    for f in figures:
+        if f.verdict == MET:
+            continue
+        fig = {"median": f.median, "q1": f.q1, "q3": f.q3, "verdict": f.verdict}
+        table.add_row(f.shape(), LABELS.get(f.baseline, f.baseline), f"{f.goal:g}x",
+                      marked(fig), "-" if f.spread is None else f"{f.spread:.2f}")
+    return table
+
+
 def print_all(data: dict, console: Console | None = None) -> None:
     console = console or Console()
     records = data["kernels"]
@@ -60,6 +88,9 @@ def print_all(data: dict, console: Console | None = None) -> None:
             console.print(kernel_table(records, direction, f"{direction} ({arrow}) on {who}"))
     if records:
         console.print(summary_table(records))
+        floor = floor_table(records)
+        if floor is not None:
+            console.print(floor)
     for h in headlines(data):
         mark = {True: "[green]met[/]", False: "[red]missed[/]", None: ""}[h.met]
         target = f" (target >= {h.target:g}x) {mark}" if h.target is not None else ""

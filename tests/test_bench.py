@@ -359,6 +359,46 @@ def test_behind_lists_only_what_falls_short_by_more_than_the_runs_spread():
     assert summary.short_of(0.99, 1.0, None)  # no spread recorded: any shortfall counts
 
 
+def floor_record(direction: str, rb: int, torch_s: list[float], **baseline_s) -> dict:
+    """A CPU case whose methods carry per-repeat samples (seconds per call)."""
+    def method(kind, samples):
+        return {"kind": kind, "bytes": 1000, "samples_s": samples, "median_s": sorted(samples)[
+            len(samples) // 2], "gbps": 1.0, "spread": 0.0}
+    return {"direction": direction, "row_bytes": rb, "page_tokens": 1, "pages": 256,
+            "layers": 2, "bytes": 1000, "cache": "per_layer",
+            "methods": {"torch": method("kvmove", torch_s),
+                        **{n: method("baseline", s) for n, s in baseline_s.items()}}}
+
+
+def test_the_torch_floor_gives_a_verdict_per_shape_and_lists_those_not_met():
+    """issue 48: torch >= 0.95x the primitive calls it makes and >= 1.0x the plain per-layer
+    op, per case, from the paired samples: met only when the lower quartile reaches the
+    goal, missed only when the upper one falls short."""
+    ten = [1.0] * 8
+    records = [
+        # as called: 1.0/1.02 ~ 0.98 >= 0.95, met; plain: 1.2/1.02 > 1, met
+        floor_record("gather", 656, [1.02] * 8, primitive_units=ten, primitive=[1.2] * 8),
+        # the plain op is what it calls: one figure, against 1.0; 0.8x, missed
+        floor_record("gather", 132, [1.25] * 8, primitive=ten),
+        # repeats straddle the goal: within noise
+        floor_record("scatter", 4096, [0.9, 1.1] * 4, primitive=ten),
+    ]
+    figures = summary.floor_figures(records)
+    got = {(f.record["row_bytes"], f.baseline): (f.goal, f.verdict) for f in figures}
+    assert got == {(656, "primitive_units"): (0.95, "met"), (656, "primitive"): (1.0, "met"),
+                   (132, "primitive"): (1.0, "missed"), (4096, "primitive"): (1.0, "within noise")}
+    assert summary.floor_counts(figures) == {"met": 2, "within noise": 1, "missed": 1}
+    lines = report.floor_section(records)
+    assert "2 met, 1 within noise, 1 missed of 4" in lines[0]
+    table = "\n".join(lines[1:])
+    assert "gather per-layer, 132 B x 1 tokens x 256 pages | torch primitive | 1x | 0.80x" in table
+    assert "scatter per-layer, 4096 B" in table and "656 B" not in table  # met: not listed
+    data = dict(fake_results(), kernels=records)
+    late = "\n".join(report.behind(data))
+    assert "torch floor, gather per-layer, 132 B x 1 tokens x 256 pages: 0.80x" in late
+    assert "4096 B" not in late  # within noise is not behind
+
+
 def test_report_names_the_results_file_relative_to_the_repo_and_keeps_the_findings(tmp_path):
     assert report.relative(report.ROOT / "docs" / "x.json") == "docs/x.json"
     assert report.relative(tmp_path / "r.json") == "r.json"  # outside the repo: its name
