@@ -106,6 +106,7 @@ class InPlaceRows:
         self._pad = HostMemory(2 * widest, pin=None)
         self.zero_row = self._pad.address
         self.discard_row = self._pad.address + widest
+        self._described_regions = tuple(self.regions())  # every descriptor's (fixed)
         self._slot_ptrs = self._slot_sizes = None
         self._slot_spans = None  # spans per slot in the lists, where every slot has as many
         if page_tokens == 1 and self.num_slots * self._size.size <= SLOT_TABLE_ROWS:
@@ -174,7 +175,7 @@ class InPlaceRows:
         ``1..page_tokens``."""
         n = len(keys)
         nbytes = valid * self.bytes_per_token
-        regions = tuple(self.regions())
+        regions = self._described_regions
         if n == 0:
             return Descriptors._trusted([], [], [], nbytes, regions, self)
         if self._slot_ptrs is not None and (bad is None or not bad.any()):

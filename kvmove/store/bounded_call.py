@@ -92,7 +92,7 @@ def default_runner() -> CallRunner:
     return _RUNNER
 
 
-@dataclass
+@dataclass(slots=True)
 class CallOutcome:
     """``done``: the call returned in time (``value`` is its result, or ``error`` what it
     raised); otherwise ``late`` completes when it really returns."""
@@ -302,14 +302,16 @@ class _LateFuture:
     and the caller wants it first: a call that returns in time makes none (a future's
     condition and its wake-up cost a visible part of a hot call)."""
 
-    __slots__ = ("_future", "_lock")
+    __slots__ = ("_future",)
+    # One lock for every token: only a call that timed out takes it (a lock made per call
+    # is a cost on every call's hot path).
+    _lock = threading.Lock()
 
     def __init__(self):
-        self._lock = threading.Lock()
         self._future: Future | None = None
 
     def get(self) -> Future:
-        with self._lock:
+        with _LateFuture._lock:
             if self._future is None:
                 self._future = Future()
             return self._future

@@ -50,10 +50,11 @@ class Retired:
 
 def count_down(counter: Counter, key) -> int:
     """Decrement ``counter[key]``, dropping the entry at zero (ids are reused); what is left."""
-    counter[key] -= 1
-    left = counter[key]
+    left = counter.get(key, 0) - 1
     if left <= 0:
-        del counter[key]
+        counter.pop(key, None)
+    else:
+        counter[key] = left
     return left
 
 
@@ -154,7 +155,8 @@ class Clients:
                 raise StoreError(f"the store at {self.config.master_address} is closed")
             self.in_flight += 1
             client = self.state.client
-            self.state.users[id(client)] += 1
+            users = self.state.users  # dict.get: a Counter's missing key is a Python call
+            users[id(client)] = users.get(id(client), 0) + 1
         return client
 
     def drop(self, client) -> None:
@@ -200,9 +202,9 @@ class Clients:
         timeout = self.config.call_timeout if timeout is None else timeout
         client = getattr(fn, "__self__", None)
         budget = self.budgets.get(id(client)) if spans else None
-        t0 = time.monotonic()
         taken = 0
         if budget is not None:
+            t0 = time.monotonic()
             taken = budget.acquire(spans, timeout)
             if not taken:
                 log.warning("Mooncake %s not started: %d of %d spans of this client stayed in "

@@ -451,8 +451,9 @@ class MooncakeStore:
         return result
 
     def _get_chunk(self, client, part: Descriptors, here: bool = False) -> list[int]:
-        codes = self._batch(client.batch_get_into_multi_buffers, part.keys, part.ptrs,
-                            part.sizes, here=here, spans=part.num_spans)
+        fn = client.batch_get_into_multi_buffers  # a data call (no _batch: the hot path)
+        codes = batch_codes(fn, part.keys, self._bounded(fn, part.keys, part.ptrs, part.sizes,
+                                                         spans=part.num_spans, here=here), True)
         retry = ([i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
                  if LEASE_EXPIRED in codes else None)  # the scan in C first: mostly none
         if retry:

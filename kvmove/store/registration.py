@@ -149,13 +149,20 @@ class Registrations:
         state = self.state
         with state.register_lock:
             registered = state.registered
-            if state.stale or any(registered.get(a) != n for a, n in desc.regions):
+            used, unregistered = [], state.stale  # one loop, no generator (the hot path)
+            for address, nbytes in desc.regions:
+                used.append(address)
+                if registered.get(address) != nbytes:
+                    unregistered = True
+            if unregistered:
                 self.register(desc.staging if desc.staging is not None else desc.regions)
             if not desc.vouched:  # raw addresses: each span inside one registered region
                 check_spans(desc.keys, desc.ptrs, desc.sizes, registered.items())
-            used = [a for a, _ in desc.regions] or self._regions_touched(desc)
+            if not used:
+                used = self._regions_touched(desc)
+            in_use = state.in_use  # dict.get: a Counter's missing key is a Python call
             for address in used:
-                state.in_use[address] += 1
+                in_use[address] = in_use.get(address, 0) + 1
         return used
 
     def release(self, used: list[int], late: Future | None) -> Future | None:
@@ -172,9 +179,11 @@ class Registrations:
         in_use = self.state.in_use
         with self.state.register_lock:
             for address in used:
-                in_use[address] -= 1
-                if not in_use[address]:
-                    del in_use[address]
+                left = in_use.get(address, 0) - 1
+                if left > 0:
+                    in_use[address] = left
+                else:
+                    in_use.pop(address, None)
 
     def _regions_touched(self, desc: Descriptors) -> list[int]:
         """The registered regions that spans of ``desc`` start in (for descriptors built

@@ -4,8 +4,8 @@ transfers run (the mover's and the store's), registering twice, unregistering a 
 use, and processes with an embedded master killed by SIGTERM and SIGKILL.
 
 Where a test needs a transfer to be "in flight" at a known moment, it holds one Mooncake
-call at a gate inside the store (``store._batch``, kvmove's wrapper around each Mooncake
-batch call, and ``store._check_then_put``, a put's exists check and its put in one call):
+call at a gate inside the store (``store._bounded``, through which kvmove makes each
+Mooncake call, and ``store._check_then_put``, a put's exists check and its put in one call):
 the real Mooncake call still runs, before or after the gate.
 """
 
@@ -82,7 +82,7 @@ class Gate:
         self._release = threading.Event()
         self._left = count
         self._lock = threading.Lock()
-        real_batch, real_check_then_put = store._batch, store._check_then_put
+        real_bounded, real_check_then_put = store._bounded, store._check_then_put
 
         def held(name: str, run):
             with self._lock:
@@ -95,14 +95,14 @@ class Gate:
                 self._hold()
             return result
 
-        def batch(fn, keys, *args, **options):
-            return held(fn.__name__, lambda: real_batch(fn, keys, *args, **options))
+        def bounded(fn, *args, **options):
+            return held(fn.__name__, lambda: real_bounded(fn, *args, **options))
 
         def check_then_put(client, part):  # a put's exists check and the put, in one call
             return held("batch_put_from_multi_buffers",
                         lambda: real_check_then_put(client, part))
 
-        monkeypatch.setattr(store, "_batch", batch)
+        monkeypatch.setattr(store, "_bounded", bounded)
         monkeypatch.setattr(store, "_check_then_put", check_then_put)
 
     def _hold(self) -> None:
