@@ -78,11 +78,12 @@ def primitive_units(w: Workload, case: Case) -> Method:
     """The primitive calls the torch backend makes, made plainly, on ``[units, unit bytes]``
     views in its widest element type (the units it moves whole pages in; rows where pages
     are one token): a ``memmove`` per layer where both sides are one run of units in host
-    memory (or a ``copy_``, larger or on a device); else one call for every layer where
-    both sides' layers are one evenly spaced view (an ``index_select`` only while the copy
-    is small, as the backend does); else numpy's copies where the backend makes them
-    (:mod:`kvmove.rows.torch_backend.host_copy`); else per layer ``index_select`` /
-    ``index_copy_``."""
+    memory (or a ``copy_``, larger or on a device); a gather into a run of staging units
+    first as numpy's copies where the backend makes them
+    (:mod:`kvmove.rows.torch_backend.host_copy`); else one call for every layer where both
+    sides' layers are one evenly spaced view (an ``index_select`` only while the copy is
+    small, as the backend does); else numpy's copies where the backend makes them; else
+    per layer ``index_select`` / ``index_copy_``."""
     unit = unit_tokens(case.page_tokens, w.row_bytes)
     token_pages, _, _ = w.indices(case.pages)
     per_page = case.page_tokens // unit
@@ -104,6 +105,14 @@ def primitive_units(w: Workload, case: Case) -> Method:
                 ctypes.memmove(dst, src, size)
 
         return run_memmoves, case.nbytes
+    threads = threads_for(n * unit_bytes, case.layers)
+    arrays = host_arrays(kv_rows, st_rows, unit) if threads else None
+    if arrays is not None and case.direction == "gather" and not run:
+        # into a run of staging units the backend tries numpy before one stacked
+        # index_select (kvmove/rows/torch_backend/reference.py, _copy_part): so does this
+        (kv_units, st_units), layers, at = arrays, tuple(range(case.layers)), units.numpy()
+        return (lambda: take_into_run(kv_units, st_units, layers, at, 0, threads,
+                                      apart=kv_rows.apart_from(st_rows)), case.nbytes)
     stacked = _stacked_calls(kv_rows, st_rows, case, unit, units, wide, first)
     if stacked is not None:
         return stacked, case.nbytes
@@ -119,8 +128,6 @@ def primitive_units(w: Workload, case: Case) -> Method:
                 for k, s in pairs:
                     k.copy_(s)
         return run_copies, case.nbytes
-    threads = threads_for(n * unit_bytes, case.layers)
-    arrays = host_arrays(kv_rows, st_rows, unit) if threads else None
     if arrays is not None:  # numpy, as the backend copies host units of this size
         (kv_units, st_units), layers, at = arrays, tuple(range(case.layers)), units.numpy()
         if case.direction == "gather":
