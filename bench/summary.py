@@ -201,7 +201,7 @@ def floor_figures(records: list[dict]) -> list[FloorFigure]:
     out = []
     for r in records:
         m = r["methods"]
-        if "torch" not in m or "samples_s" not in m["torch"]:
+        if "torch" not in m or not m["torch"].get("samples_s"):
             continue
         called = _as_called(r)
         goals = {"primitive": FLOOR_PLAIN}

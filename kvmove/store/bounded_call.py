@@ -280,6 +280,7 @@ _WATCHDOG = Watchdog(name="kvmove-call-watchdog")
 def _reset_after_fork() -> None:
     _RUNNER._reset()
     _WATCHDOG._reset()
+    _LateFuture._lock = threading.Lock()  # a parent's thread may have held it at the fork
 
 
 # A child forked by a process that made calls would otherwise count idle threads and a
