@@ -296,10 +296,11 @@ def main(argv=None) -> int:
                                         "bench/results/bench_sglang.json)")
     args = p.parse_args(argv)
     if args.quick:  # the same sizes, a shorter time budget per case
-        # Up to 20 repeats where a case is fast: with 6, the quartiles of the small cases'
-        # ratios spread too wide to tell a real shortfall from the VM's noise (measured:
-        # page_first 512 x 1 "missed" at 0.82x over 6 repeats, 1.00x within noise over 30).
-        args.repeat, args.e2e_repeat, args.e2e_seconds = 5, 20, 10.0
+        # Up to 20 repeats where a case is fast (within the same 15 s a case had): with 6,
+        # the quartiles of the small cases' ratios spread too wide to tell a real shortfall
+        # from the VM's noise (measured: page_first 512 x 1 "missed" at 0.82x over 6
+        # repeats, 1.00x within noise over 30).
+        args.repeat, args.e2e_repeat, args.e2e_seconds = 5, 20, 15.0
     master = kvmove.EmbeddedMaster()
     holder = kvmove.MooncakeStore(kvmove.StoreConfig(
         master_address=master.address, local_hostname="127.0.0.1",
