@@ -78,12 +78,11 @@ def primitive_units(w: Workload, case: Case) -> Method:
     """The primitive calls the torch backend makes, made plainly, on ``[units, unit bytes]``
     views in its widest element type (the units it moves whole pages in; rows where pages
     are one token): a ``memmove`` per layer where both sides are one run of units in host
-    memory (or a ``copy_``, larger or on a device); a gather into a run of staging units
-    first as numpy's copies where the backend makes them
-    (:mod:`kvmove.rows.torch_backend.host_copy`); else one call for every layer where both
-    sides' layers are one evenly spaced view (an ``index_select`` only while the copy is
-    small, as the backend does); else numpy's copies where the backend makes them; else
-    per layer ``index_select`` / ``index_copy_``."""
+    memory (or a ``copy_``, larger or on a device); a gather as numpy's copies where the
+    backend makes them (:mod:`kvmove.rows.torch_backend.host_copy`); else one call for every
+    layer where both sides' layers are one evenly spaced view (an ``index_select`` only
+    while the copy is small, as the backend does); else a scatter as numpy's copies where
+    the backend makes them; else per layer ``index_select`` / ``index_copy_``."""
     unit = unit_tokens(case.page_tokens, w.row_bytes)
     token_pages, _, _ = w.indices(case.pages)
     per_page = case.page_tokens // unit
@@ -128,11 +127,8 @@ def primitive_units(w: Workload, case: Case) -> Method:
                 for k, s in pairs:
                     k.copy_(s)
         return run_copies, case.nbytes
-    if arrays is not None:  # numpy, as the backend copies host units of this size
+    if arrays is not None:  # numpy, as the backend scatters host units of this size
         (kv_units, st_units), layers, at = arrays, tuple(range(case.layers)), units.numpy()
-        if case.direction == "gather":
-            return (lambda: take_into_run(kv_units, st_units, layers, at, 0, threads,
-                                          apart=kv_rows.apart_from(st_rows)), case.nbytes)
         return (lambda: put_units(st_units, kv_units, layers, None, 0, at, threads,
                                   apart=st_rows.apart_from(kv_rows)), case.nbytes)
     pairs = [(k.view(wide), s.view(wide)) for k, s in zip(kv, st, strict=True)]
