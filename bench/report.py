@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.bench_in_place import SUMMARY_COLUMNS, summary_rows
 from bench.results import load
-from bench.speedup_goal import MET, MISSED
+from bench.speedup_goal import MET, MISSED, cell
 from bench.summary import (
     FLOOR_AS_CALLED,
     FLOOR_PLAIN,
@@ -131,11 +131,11 @@ def floor_section(records: list[dict]) -> list[str]:
            f"noise, {counts['missed']} missed of {len(figures)}.", ""]
     rest = [f for f in figures if f.verdict != MET]
     if rest:
-        out += ["| shape | against | goal | ratio (quartiles) | verdict | spread |",
-                "|---|---|---:|---:|---|---:|"]
+        out += ["| shape | against | goal | ratio (quartiles) and verdict | spread |",
+                "|---|---|---:|---:|---:|"]
         out += [f"| {f.shape()} | {LABELS.get(f.baseline, f.baseline)} | {f.goal:g}x | "
-                f"{f.median:.2f}x ({f.q1:.2f}-{f.q3:.2f}) | {f.verdict} | "
-                f"{'-' if f.spread is None else f'{f.spread:.2f}'} |" for f in rest]
+                f"{cell(f.figure)} | {'-' if f.spread is None else f'{f.spread:.2f}'} |"
+                for f in rest]
         out.append("")
     return out
 
@@ -368,9 +368,8 @@ def behind(data: dict) -> list[str]:
                            f"{fmt_ratio(value)} of {LABELS.get(base, base)}{_noted(noise)}")
     for f in floor:
         if f.verdict == MISSED:
-            out.append(f"- torch floor, {f.shape()}: {f.median:.2f}x "
-                       f"{LABELS.get(f.baseline, f.baseline)} (quartiles {f.q1:.2f}-"
-                       f"{f.q3:.2f}), goal ≥ {f.goal:g}x")
+            out.append(f"- torch floor, {f.shape()}: {cell(f.figure)} against "
+                       f"{LABELS.get(f.baseline, f.baseline)}, goal ≥ {f.goal:g}x")
     for h in headlines(data):
         if h.behind:
             out.append(f"- {h.text}: {fmt_ratio(h.value)}, target {h.target:g}x"

@@ -180,12 +180,20 @@ class FloorFigure:
 
     record: dict
     baseline: str
-    goal: float
-    median: float
-    q1: float
-    q3: float
-    verdict: str
+    figure: dict  # :func:`bench.speedup_goal.paired`'s: median, q1, q3, goal, verdict
     spread: float | None  # the run's own spread of the ratio (:func:`ratio_noise`)
+
+    @property
+    def goal(self) -> float:
+        return self.figure["goal"]
+
+    @property
+    def median(self) -> float:
+        return self.figure["median"]
+
+    @property
+    def verdict(self) -> str:
+        return self.figure["verdict"]
 
     def shape(self) -> str:
         r = self.record
@@ -210,9 +218,9 @@ def floor_figures(records: list[dict]) -> list[FloorFigure]:
         for base, goal in goals.items():
             if base not in m or len(m[base].get("samples_s", ())) != len(m["torch"]["samples_s"]):
                 continue
-            fig = paired(m[base]["samples_s"], m["torch"]["samples_s"], goal)
-            out.append(FloorFigure(r, base, goal, fig["median"], fig["q1"], fig["q3"],
-                                   fig["verdict"], ratio_noise(r, "torch", base)))
+            out.append(FloorFigure(r, base, paired(m[base]["samples_s"],
+                                                   m["torch"]["samples_s"], goal),
+                                   ratio_noise(r, "torch", base)))
     return out
 
 

@@ -73,9 +73,8 @@ def floor_table(records: list[dict]) -> Table | None:
     for f in figures:
         if f.verdict == MET:
             continue
-        fig = {"median": f.median, "q1": f.q1, "q3": f.q3, "verdict": f.verdict}
         table.add_row(f.shape(), LABELS.get(f.baseline, f.baseline), f"{f.goal:g}x",
-                      marked(fig), "-" if f.spread is None else f"{f.spread:.2f}")
+                      marked(f.figure), "-" if f.spread is None else f"{f.spread:.2f}")
     return table
 
 
