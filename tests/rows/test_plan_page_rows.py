@@ -88,13 +88,16 @@ def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, ga
 
 @SETTINGS
 @given(data=st.data(), page_tokens=st.sampled_from([1, 2, 4, 16]), gathering=st.booleans(),
-       clean=st.booleans())
-def test_plan_few_pages_moves_what_plan_page_rows_moves(data, page_tokens, gathering, clean):
-    """The list plan of a few pages (whole, scattered; slots a run or not) moves the same
-    pairs as the numpy plan, and every run it claims is one; it declines (None) only where
-    some row or slot is -1 or out of range."""
+       clean=st.booleans(), dtype=st.sampled_from([torch.int64, torch.int32]))
+def test_plan_few_pages_moves_what_plan_page_rows_moves(data, page_tokens, gathering, clean,
+                                                        dtype):
+    """The list plan of a few pages (whole, scattered; slots a run or not; int64 pages,
+    which one-token plans read as they are, and int32) moves the same pairs as the numpy
+    plan, and every run it claims is one; it declines (None) only where some row or slot
+    is -1 or out of range."""
     kv_rows, num_slots = 64 * page_tokens, 50
     token_pages, slots = data.draw(pages_and_slots(kv_rows, num_slots, page_tokens))
+    token_pages = token_pages.to(dtype)
     if clean:  # no -1 and nothing out of range: the plan of few pages must take them
         token_pages = token_pages.clamp(0, kv_rows - 1)
         slots = slots.clamp(0, num_slots - 1)
