@@ -337,8 +337,11 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     unless a copy needs it): what :func:`plan_rows` of their rows gives, for less."""
     n, page_tokens = kv_pages.shape
     kv, st = _as_numpy(kv_pages), _as_numpy(slots)
-    # A negative number is a huge one unsigned: one max per side says all are in 0..limit.
-    slots_ok = bool(st.size) and int(st.view(np.uint64).max()) < num_slots
+    # Slots that are one run (fresh staging slots: the usual case) are in range where its
+    # ends are; others by one max: a negative number is a huge one unsigned.
+    st_run = _run_start(st)
+    slots_ok = (0 <= st_run and st_run + st.size <= num_slots) if st_run is not None \
+        else bool(st.size) and int(st.view(np.uint64).max()) < num_slots
     # Pages of a paged KV cache (the usual case), found without a pass over every row for
     # their range: each page's first row in range and every step inside a page one (then
     # every row is in range: no step can wrap around). The index arrays are cold by the
@@ -355,7 +358,7 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         bad = kv_bad | st_bad
         errors = int(np.count_nonzero(bad))
         keep = (kv >= 0) & np.repeat(st >= 0, page_tokens) & ~bad
-    staging_run = _run_start(st) if keep is None else None
+    staging_run = st_run if keep is None else None
 
     def staging_rows() -> np.ndarray:
         return st if page_tokens == 1 else (st[:, None] * page_tokens
