@@ -111,13 +111,14 @@ def has_repeats(values: np.ndarray) -> bool:
 
 
 def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
-                 page_tokens: int = 1, limit: int | None = None) -> None:
+                 page_tokens: int = 1, limit: int | None = None, skips: bool = True) -> None:
     """No destination row named twice (``-1`` excepted): the result would depend on order.
     ``rows`` may be page numbers of whole pages of ``page_tokens`` rows (the message names
     the page's first row), or a list of them (a few pages: a set costs less than numpy's
     calls, the more so on cold caches). ``limit``: every value is known to be ``-1`` or
     below it (checked already): where it is not many times the count, one mark per value
-    in a table of ``limit`` flags replaces the sort."""
+    in a table of ``limit`` flags replaces the sort. ``skips=False``: no value is ``-1``
+    (checked already), so none is counted."""
     if isinstance(rows, list):
         if len(set(rows)) == len(rows):
             return
@@ -132,7 +133,8 @@ def check_unique(rows: torch.Tensor | np.ndarray | list[int], name: str, *,
         # "increasing" pre-test either: scattered rows, the usual case here, fail it).
         seen = np.zeros(limit + 1, dtype=np.bool_)
         seen[a] = True
-        if int(np.count_nonzero(seen[:limit])) == n - int(np.count_nonzero(a < 0)):
+        if int(np.count_nonzero(seen[:limit])) == (
+                n - int(np.count_nonzero(a < 0)) if skips else n):
             return  # (else the sort below names the first repeat)
     elif bool((a[1:] > a[:-1]).all()):  # strictly increasing: no sort
         return

@@ -227,9 +227,10 @@ def check_planned(plan: RowPlan, token_pages: torch.Tensor, slots: torch.Tensor,
                      limit=prepared.staging_slots if gathering
                      else prepared.kv_rows // prepared.page_tokens)
     elif gathering:  # the plan counted no bad value: every one is -1 or in range
-        check_unique(slots, "slots", limit=prepared.staging_slots)
+        check_unique(slots, "slots", limit=prepared.staging_slots, skips=not plan.no_skips)
     else:
-        check_unique(token_pages, "token_pages", limit=prepared.kv_rows)
+        check_unique(token_pages, "token_pages", limit=prepared.kv_rows,
+                     skips=not plan.no_skips)
 
 
 def gather(

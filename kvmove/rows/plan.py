@@ -120,16 +120,18 @@ class RowPlan:
     lists) or :func:`plan_whole_pages` (from pages, when all are whole)."""
 
     __slots__ = ("_make_rest", "_make_rows", "_rest", "_rows", "_units", "all_whole",
-                 "distinct_dst", "errors", "page_tokens")
+                 "distinct_dst", "errors", "no_skips", "page_tokens")
 
     def __init__(self, page_tokens: int, errors: int, pages: Part | None, all_whole: bool,
-                 rows, rest, *, distinct_dst: bool = False):
+                 rows, rest, *, distinct_dst: bool = False, no_skips: bool = False):
         self.page_tokens = page_tokens
         self.errors = errors  # out-of-range rows, skipped
         self.all_whole = all_whole
         # The planner saw that no destination row is named twice (the destination rows are
         # one run, say): the duplicate check has nothing left to look at.
         self.distinct_dst = distinct_dst
+        # The planner saw every row and slot in range: no -1 (skip) on either side.
+        self.no_skips = no_skips
         self._make_rows, self._make_rest = rows, rest  # () -> Part, on first use
         self._rows: Part | None = None
         self._rest: Part | None = None
@@ -340,7 +342,7 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     # Slots that are one run (fresh staging slots: the usual case) are in range where its
     # ends are; others by one max: a negative number is a huge one unsigned.
     st_run = _run_start(st)
-    slots_ok = (0 <= st_run and st_run + st.size <= num_slots) if st_run is not None \
+    slots_ok = (st_run >= 0 and st_run + st.size <= num_slots) if st_run is not None \
         else bool(st.size) and int(st.view(np.uint64).max()) < num_slots
     # Pages of a paged KV cache (the usual case), found without a pass over every row for
     # their range: each page's first row in range and every step inside a page one (then
@@ -380,7 +382,8 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     # Staging rows are one run where the slots are (and nothing is dropped): distinct.
     distinct = kv_is_src and staging_run is not None
     if page_tokens == 1 or not kv.size:
-        return RowPlan(page_tokens, errors, None, False, rows, rows, distinct_dst=distinct)
+        return RowPlan(page_tokens, errors, None, False, rows, rows, distinct_dst=distinct,
+                       no_skips=clean)
     pages_kv = kv.reshape(n, page_tokens)
     if paged:
         # every page whole (a paged KV cache): no mask of whole pages to make
@@ -461,7 +464,7 @@ def plan_few_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         part = Part(kv_side, st, runs) if kv_is_src else Part(st, kv_side, runs)
         rows_of = (lambda: part) if page_tokens == 1 else _rows_of_pages(pages, st, page_tokens,
                                                                           kv_is_src)
-        return RowPlan(page_tokens, 0, part, True, rows_of, rows_of)
+        return RowPlan(page_tokens, 0, part, True, rows_of, rows_of, no_skips=True)
     flat = [r for row in rows for r in row]
     if min(flat) < 0 or max(flat) >= kv_rows:
         return None
@@ -473,7 +476,7 @@ def plan_few_pages(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     src, dst = ("kv", "st") if kv_is_src else ("st", "kv")
     sides = {"kv": flat, "st": staged}
     part = Part(sides[src], sides[dst], {"src": runs[src], "dst": runs[dst]})
-    return RowPlan(page_tokens, 0, None, False, lambda: part, lambda: part)
+    return RowPlan(page_tokens, 0, None, False, lambda: part, lambda: part, no_skips=True)
 
 
 def _aligned_pages(rows: list[list[int]], page_tokens: int, largest_page: int

@@ -75,6 +75,8 @@ def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, ga
     plan, reference, src, dst, limits = plan_and_reference(token_pages, slots, kv_rows,
                                                            num_slots, page_tokens, gathering)
     assert plan.errors == reference.errors
+    if plan.no_skips:  # claimed: no -1 on either side (the duplicate check counts none)
+        assert bool((token_pages >= 0).all()) and bool((slots >= 0).all())
     assert moved_pairs(plan, page_tokens) == moved_pairs(reference, page_tokens)
     assert sorted(moved_pairs(plan, page_tokens)) == sorted(
         (s, d) for s, d in zip(src.tolist(), dst.tolist(), strict=True)
@@ -110,7 +112,7 @@ def test_plan_few_pages_moves_what_plan_page_rows_moves(data, page_tokens, gathe
     assert (few is not None) == bool(valid)
     if few is None:
         return
-    assert few.errors == 0
+    assert few.errors == 0 and few.no_skips
     assert moved_pairs(few, page_tokens) == moved_pairs(reference, page_tokens)
     for part in (few.rows, *((few.units(page_tokens),) if few.some_whole else ())):
         for side in ("src", "dst"):  # a run it claims is one, and none is missed

@@ -134,8 +134,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
         if d3 is not None:  # into a run of every layer: one call
             torch.index_select(s3, 1, part.tensor("src", src.device), out=d3[:, d0:d0 + m])
             return
-    s_idx = part.tensor("src", src.device)
     if d0 is not None:
+        s_idx = part.tensor("src", src.device)
         # Into a run: a memcpy per unit, one call per layer. index_select hands its units
         # to threads in chunks of 32768 elements: in wide elements a small copy stays on
         # one thread (waking OpenMP workers costs more than it moves), in bytes a large one
@@ -158,6 +158,8 @@ def _copy_part(src: BufferRows, dst: BufferRows, layers: tuple[int, ...], unit: 
     # Element-wise: in the widest element type both sides allow (8 bytes instead of 1:
     # about 5x faster at 656-byte rows; 16 bytes, as complex128, another 15-40%).
     d_idx = part.tensor("dst", dst.device)
+    # the source's index tensor only where the copy reads it (a run needs none)
+    s_idx = None if s0 is not None else part.tensor("src", src.device)
     if d3 is not None and s3 is not None:  # every layer in one call
         taken = s3[:, s0:s0 + m] if s0 is not None else s3.index_select(1, s_idx)
         d3.index_copy_(1, d_idx, taken.to(dst.device))
