@@ -125,3 +125,20 @@ def test_empty_batches_are_a_no_op():
                   torch.zeros(0, dtype=torch.int64))
     kvmove.copy_rows(kv, [], staging, [])
     assert_same(before, snapshot(staging))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_scatter_of_many_whole_pages_refuses_one_named_twice(backend):
+    """Past the few-pages plan (more than 64 rows: the numpy plan of a paged KV cache, which
+    sees no -1 and so counts none in the duplicate check), a KV page named twice still
+    raises before any row is written."""
+    kv = kvmove.KVCache({"kv": make_layers(2, 128, 132, torch.uint8, seed=3)})
+    staging = kvmove.StagingBuffer(kv, num_slots=40, page_tokens=2)
+    staging.tensor("kv").fill_(7)
+    pages = torch.randperm(64, generator=torch.Generator().manual_seed(4))[:40]
+    pages[-1] = pages[0]
+    token_pages = pages[:, None] * 2 + torch.arange(2)
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match=f"names row/slot {int(pages[0]) * 2} more than once"):
+        kvmove.scatter(staging, torch.arange(40), kv, token_pages, backend=backend)
+    assert_same(before, snapshot(kv))

@@ -225,7 +225,8 @@ def check_planned(plan: RowPlan, token_pages: torch.Tensor, slots: torch.Tensor,
         check_unique(plan.whole_pages("dst"), "slots" if gathering else "token_pages",
                      page_tokens=1 if gathering else prepared.page_tokens,
                      limit=prepared.staging_slots if gathering
-                     else prepared.kv_rows // prepared.page_tokens)
+                     else prepared.kv_rows // prepared.page_tokens,
+                     skips=not plan.no_skips)
     elif gathering:  # the plan counted no bad value: every one is -1 or in range
         check_unique(slots, "slots", limit=prepared.staging_slots, skips=not plan.no_skips)
     else:

@@ -388,17 +388,20 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
     if paged:
         # every page whole (a paged KV cache): no mask of whole pages to make
         pages = part(first // page_tokens, st, staging_run, True)
-        return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct)
+        return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct,
+                       no_skips=True)
     whole = (pages_kv == first[:, None] + _steps(page_tokens)).all(axis=1)
     whole &= first % page_tokens == 0
     if keep is not None:  # no skip and no bad row in a whole page
         whole &= keep.reshape(n, page_tokens).all(axis=1)
     count = int(np.count_nonzero(whole))
     if count == 0:
-        return RowPlan(page_tokens, errors, None, False, rows, rows, distinct_dst=distinct)
+        return RowPlan(page_tokens, errors, None, False, rows, rows, distinct_dst=distinct,
+                       no_skips=clean)
     if count == n:
         pages = part(first // page_tokens, st, staging_run, True)
-        return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct)
+        return RowPlan(page_tokens, errors, pages, True, rows, rows, distinct_dst=distinct,
+                       no_skips=clean)
 
     def rest() -> Part:
         left = np.repeat(~whole, page_tokens)
@@ -407,7 +410,8 @@ def plan_page_rows(kv_pages: torch.Tensor, slots: torch.Tensor, kv_rows: int,
         return part(kv[left], staging_rows()[left])
 
     pages = part(first[whole] // page_tokens, st[whole])
-    return RowPlan(page_tokens, errors, pages, False, rows, rest, distinct_dst=distinct)
+    return RowPlan(page_tokens, errors, pages, False, rows, rest, distinct_dst=distinct,
+                   no_skips=clean)
 
 
 def _all_aligned_runs(kv: np.ndarray, first: np.ndarray, page_tokens: int) -> bool:

@@ -75,8 +75,11 @@ def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, ga
     plan, reference, src, dst, limits = plan_and_reference(token_pages, slots, kv_rows,
                                                            num_slots, page_tokens, gathering)
     assert plan.errors == reference.errors
-    if plan.no_skips:  # claimed: no -1 on either side (the duplicate check counts none)
-        assert bool((token_pages >= 0).all()) and bool((slots >= 0).all())
+    # no -1 on either side is claimed exactly where every row and slot is in range (then
+    # the duplicate check counts none): claimed wrongly it would pass a repeat it misses
+    in_range = bool(((token_pages >= 0) & (token_pages < kv_rows)).all()) \
+        and bool(((slots >= 0) & (slots < num_slots)).all())
+    assert plan.no_skips == in_range
     assert moved_pairs(plan, page_tokens) == moved_pairs(reference, page_tokens)
     assert sorted(moved_pairs(plan, page_tokens)) == sorted(
         (s, d) for s, d in zip(src.tolist(), dst.tolist(), strict=True)
