@@ -142,3 +142,20 @@ def test_a_scatter_of_many_whole_pages_refuses_one_named_twice(backend):
     with pytest.raises(ValueError, match=f"names row/slot {int(pages[0]) * 2} more than once"):
         kvmove.scatter(staging, torch.arange(40), kv, token_pages, backend=backend)
     assert_same(before, snapshot(kv))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_scatter_of_many_pages_refuses_a_row_named_twice_in_a_scattered_page(backend):
+    """Whole pages and one scattered page, every row in range (a plan that saw no -1): a
+    scattered page naming a row another page writes still raises before any row is
+    written."""
+    kv = kvmove.KVCache({"kv": make_layers(2, 128, 132, torch.uint8, seed=5)})
+    staging = kvmove.StagingBuffer(kv, num_slots=40, page_tokens=2)
+    staging.tensor("kv").fill_(7)
+    pages = torch.randperm(64, generator=torch.Generator().manual_seed(6))[:40]
+    token_pages = pages[:, None] * 2 + torch.arange(2)
+    token_pages[-1] = torch.tensor([int(token_pages[3, 1]), int(token_pages[-1, 0])])
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match=f"names row/slot {int(token_pages[3, 1])} more than"):
+        kvmove.scatter(staging, torch.arange(40), kv, token_pages, backend=backend)
+    assert_same(before, snapshot(kv))

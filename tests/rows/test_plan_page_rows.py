@@ -76,7 +76,8 @@ def test_plan_page_rows_moves_what_planning_the_rows_moves(data, page_tokens, ga
                                                            num_slots, page_tokens, gathering)
     assert plan.errors == reference.errors
     # no -1 on either side is claimed exactly where every row and slot is in range (then
-    # the duplicate check counts none): claimed wrongly it would pass a repeat it misses
+    # the duplicate check counts none): claimed wrongly the check only loses its shortcut
+    # (it falls back to the sort); not claimed, it makes a needless pass
     in_range = bool(((token_pages >= 0) & (token_pages < kv_rows)).all()) \
         and bool(((slots >= 0) & (slots < num_slots)).all())
     assert plan.no_skips == in_range
